@@ -1,0 +1,35 @@
+# The two commands of the README, and what they need. Everything goes into a virtual environment.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint clean
+
+## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough)
+demo: $(VENV)/.installed
+	$(BIN)/python -m lit_imagenet.synthetic data/shapes
+	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
+
+## make test: install with the test extras, run the test suite
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.installed-test
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: setup.cfg pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: setup.cfg pyproject.toml | $(VENV)/bin/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(VENV)/.installed $@
+
+clean:
+	rm -rf runs data/shapes .pytest_cache

@@ -1,0 +1,147 @@
+"""Batches that reach the GPU already normalised, one step ahead of the compute.
+
+The idea is NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers
+collate uint8 images, which are a quarter of the bytes of float32; the main process copies batch
+N+1 to the GPU on a side CUDA stream, converts it to float and normalises it there while the
+default stream still computes batch N; the hand-over makes the default stream wait for the side
+stream and records the tensors on it, so the caching allocator does not recycle their memory too
+early.
+
+``PrefetchLoader`` is a ``DataLoader``, so Lightning injects its ``DistributedSampler`` and calls
+``set_epoch`` on it as for any loader. Its ``device`` is set by the ``CUDAPrefetch`` callback; on
+anything but a CUDA device it iterates like a plain ``DataLoader`` and the model normalises the
+uint8 batch itself after Lightning's transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Uint8Normalize(nn.Module):
+    """Turns uint8 images in [0, 255] into normalised floats: ``(x / 255 - mean) / std``.
+
+    One multiply and one add with per-channel constants kept as buffers, so they move with the
+    module and cost no host-to-device copy per batch. The memory format of the input is kept.
+
+    Args:
+        mean: Per-channel mean of images scaled to [0, 1].
+        std: Per-channel standard deviation of images scaled to [0, 1].
+    """
+
+    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> None:
+        super().__init__()
+        if len(mean) != len(std):
+            raise ValueError(f"mean and std need one value per channel each. Got {len(mean)} and {len(std)}")
+        if any(s <= 0 for s in std):
+            raise ValueError(f"std values must be positive. Got {list(std)}")
+        mean_t = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
+        std_t = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
+        self.register_buffer("scale", (1.0 / (255.0 * std_t)).float(), persistent=False)
+        self.register_buffer("shift", (-mean_t / std_t).float(), persistent=False)
+
+    def forward(self, images: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        if images.dtype != torch.uint8:
+            raise ValueError(f"Expected uint8 images. Got {images.dtype}")
+        if images.ndim != 4 or images.shape[1] != self.scale.shape[1]:
+            raise ValueError(f"Expected images of shape (N, {self.scale.shape[1]}, H, W). Got {tuple(images.shape)}")
+        out = images.to(dtype=dtype)
+        return out.mul_(self.scale.to(dtype)).add_(self.shift.to(dtype))
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    return batch
+
+
+def _record(batch: Any, stream: torch.cuda.Stream) -> None:
+    if isinstance(batch, Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, (list, tuple)):
+        for b in batch:
+            _record(b, stream)
+
+
+class CUDAPrefetcher:
+    """Iterates ``source`` one batch ahead, copying and normalising each batch on a side stream.
+
+    A batch is a list or tuple whose first element is a uint8 image tensor; every tensor in it is
+    moved to ``device``, and the images are normalised to float32.
+    """
+
+    def __init__(self, source: Iterator[Any], device: torch.device, normalize: Uint8Normalize) -> None:
+        self.source = source
+        self.device = device
+        self.normalize = normalize.to(device)
+        self.stream = torch.cuda.Stream(device=device)
+        self._next: Any = None
+        self._exhausted = False
+        self._preload()
+
+    def _preload(self) -> None:
+        try:
+            batch = next(self.source)
+        except StopIteration:
+            self._exhausted = True
+            self._next = None
+            return
+        with torch.cuda.stream(self.stream):
+            batch = _to_device(batch, self.device)
+            if isinstance(batch, (list, tuple)) and isinstance(batch[0], Tensor) and batch[0].dtype == torch.uint8:
+                batch = [self.normalize(batch[0]), *batch[1:]]
+        self._next = batch
+
+    def __iter__(self) -> CUDAPrefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._exhausted:
+            raise StopIteration
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        batch = self._next
+        _record(batch, current)
+        self._preload()
+        return batch
+
+
+class PrefetchLoader(DataLoader):
+    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
+
+    Args:
+        *args: Passed to ``DataLoader``.
+        device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
+        mean: Per-channel mean for normalisation on the GPU.
+        std: Per-channel standard deviation for normalisation on the GPU.
+        **kwargs: Passed to ``DataLoader``.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        device: torch.device | str | None = None,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = torch.device(device) if device is not None else None
+        self.mean = tuple(mean)
+        self.std = tuple(std)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        source = super().__iter__()
+        if self.device is None or self.device.type != "cuda":
+            return source
+        return CUDAPrefetcher(source, self.device, Uint8Normalize(self.mean, self.std))
