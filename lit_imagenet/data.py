@@ -1,0 +1,352 @@
+"""ImageFolder data for image classification, collated as uint8 and checked before training.
+
+``root`` holds ``train/`` and ``val/`` (and optionally ``test/``), each with one folder of images
+per class. The folders are scanned when the data module is built, so a missing split, an empty
+class folder, a file that is not an image, or train and val splits with different classes stop
+the run before any training starts. An image that cannot be decoded raises ``DataError`` naming
+the file, whether ``verify_images`` finds it up front or a loader worker finds it on first read.
+
+Batches are collated as uint8 ``(N, 3, H, W)`` tensors in the requested memory format, as NVIDIA
+apex's ImageNet example did (its ``fast_collate``): conversion to float and normalisation happen on
+the GPU (``lit_imagenet.prefetch``), not in the workers.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset, DistributedSampler
+from torchvision import transforms
+
+from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, PrefetchLoader
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class DataError(ValueError):
+    """A problem with the user's data: the message names the file or folder and what to do."""
+
+
+def _is_hidden(name: str) -> bool:
+    return name.startswith(".")
+
+
+def _image_files(folder: Path) -> list[Path]:
+    """Every image under ``folder``, sorted; any other file is an error (hidden files are not data)."""
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
+        for name in sorted(filenames):
+            if _is_hidden(name):
+                continue
+            path = Path(dirpath) / name
+            if path.suffix.lower() not in IMAGE_EXTENSIONS:
+                raise DataError(
+                    f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
+                    "move it out of the data folder."
+                )
+            found.append(path)
+    return found
+
+
+def scan_split(split_dir: str | Path) -> tuple[list[str], list[tuple[str, int]]]:
+    """The class names of an ImageFolder split and its ``(path, class index)`` samples.
+
+    Raises:
+        DataError: The folder is missing, has no class folders, or a class folder holds no image
+            or a file that is not an image.
+    """
+    split_dir = Path(split_dir)
+    if not split_dir.is_dir():
+        raise DataError(f"Data folder {split_dir} does not exist; create it with one sub-folder of images per class.")
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
+    if not classes:
+        raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
+    samples: list[tuple[str, int]] = []
+    for index, name in enumerate(classes):
+        files = _image_files(split_dir / name)
+        if not files:
+            raise DataError(f"Class folder {split_dir / name} holds no images; add images or remove the folder.")
+        samples.extend((str(p), index) for p in files)
+    return classes, samples
+
+
+def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, other: Sequence[str]) -> None:
+    """Refuses two splits whose class folders differ: their label indices would not match."""
+    if list(train) == list(other):
+        return
+    only_train = sorted(set(train) - set(other))
+    only_other = sorted(set(other) - set(train))
+    parts = []
+    if only_train:
+        parts.append(f"only in {train_dir}: {', '.join(only_train[:10])}{' ...' if len(only_train) > 10 else ''}")
+    if only_other:
+        parts.append(f"only in {other_dir}: {', '.join(only_other[:10])}{' ...' if len(only_other) > 10 else ''}")
+    raise DataError(
+        f"{train_dir} and {other_dir} have different class folders ({'; '.join(parts)}); "
+        "both splits need the same class folders."
+    )
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Opens an image as 8-bit RGB (grayscale, palette, CMYK and alpha images included).
+
+    Raises:
+        DataError: The file cannot be read or decoded; the message names it.
+    """
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            if img.mode == "P" and "transparency" in img.info:
+                img = img.convert("RGBA")
+            return img.convert("RGB")
+    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
+        reason = f"{type(err).__name__}: {err}"
+        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
+
+
+def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
+    """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
+
+    def check(path: str) -> None:
+        load_rgb(path)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for _ in pool.map(check, paths):
+            pass
+
+
+class ImageFolderDataset(Dataset):
+    """``(image, class index)`` pairs from scanned samples, each image opened with ``load_rgb``.
+
+    Args:
+        samples: ``(path, class index)`` pairs.
+        transform: Applied to each PIL image.
+    """
+
+    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable[[Image.Image], Any] | None = None):
+        self.samples = list(samples)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        path, target = self.samples[index]
+        img = load_rgb(path)
+        if self.transform is not None:
+            img = self.transform(img)
+        return img, target
+
+
+def collate_uint8(
+    batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
+) -> list[Tensor]:
+    """Stacks PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W), int64 (N,)]``.
+
+    All images of a batch must have the same size. With ``torch.channels_last`` the images are
+    written straight into an NHWC buffer, which is what channels_last means, so no copy is needed.
+    """
+    if not batch:
+        raise ValueError("Cannot collate an empty batch.")
+    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
+    arrays = [_hwc_uint8(img) for img, _ in batch]
+    shape = arrays[0].shape
+    for i, a in enumerate(arrays):
+        if a.shape != shape:
+            raise ValueError(f"All images of a batch need one size. Image 0 is {shape}, image {i} is {a.shape}")
+    nhwc = torch.from_numpy(np.stack(arrays))
+    images = nhwc.permute(0, 3, 1, 2)
+    if memory_format != torch.channels_last:
+        images = images.contiguous(memory_format=memory_format)
+    return [images, targets]
+
+
+def _hwc_uint8(img: Any) -> np.ndarray:
+    if isinstance(img, Tensor):
+        if img.dtype != torch.uint8 or img.ndim != 3:
+            raise ValueError(f"Expected uint8 (C, H, W) image tensors. Got {img.dtype} of shape {tuple(img.shape)}")
+        return img.permute(1, 2, 0).numpy()
+    array = np.asarray(img, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return array
+
+
+class UnpaddedDistributedSampler(DistributedSampler):
+    """Gives each rank every ``num_replicas``-th sample, without padding the shards to one length.
+
+    ``DistributedSampler`` repeats samples so that every rank gets as many; that biases validation
+    metrics whenever the split does not divide by the number of processes. Here the shards differ
+    by at most one sample and every sample is seen exactly once, so summed metrics are exact.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
+        self.total_size = len(dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class ImageFolderDataModule(pl.LightningDataModule):
+    """ImageFolder splits under ``root`` as uint8 batches, ready for the GPU-side prefetcher.
+
+    Args:
+        root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
+            sub-folder of images per class.
+        batch_size: Images per batch in each process.
+        workers: Loader worker processes per training process; they persist across epochs.
+        crop_size: Side of the square crops fed to the network.
+        val_resize: Validation images are resized so that their short side is this long, then
+            centre-cropped to ``crop_size``.
+        crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
+        channels_last: Collate batches in channels_last memory format. ``None``: on when the run
+            uses a CUDA device.
+        pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU.
+        verify_images: Decode every image once before training, to find unreadable files up front.
+        predict_root: Folder of images (searched recursively) to classify with ``predict``.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: int = 256,
+        workers: int = 4,
+        crop_size: int = 224,
+        val_resize: int = 256,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        channels_last: bool | None = None,
+        pin_memory: bool = True,
+        verify_images: bool = False,
+        predict_root: str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1. Got {batch_size}")
+        if workers < 0:
+            raise ValueError(f"workers must not be negative. Got {workers}")
+        if crop_size < 1 or val_resize < crop_size:
+            raise ValueError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
+        if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
+        if root is None and predict_root is None:
+            raise DataError("No data given; set --data.root to a folder with train/ and val/ sub-folders.")
+        self.save_hyperparameters()
+        self.root = Path(root) if root is not None else None
+        self.batch_size = batch_size
+        self.workers = workers
+        self.crop_size = crop_size
+        self.val_resize = val_resize
+        self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
+        self.channels_last = channels_last
+        self.pin_memory = pin_memory
+        self.predict_root = Path(predict_root) if predict_root is not None else None
+        #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
+        self.prefetch_device: torch.device | None = None
+        self.mean = IMAGENET_MEAN
+        self.std = IMAGENET_STD
+
+        self.classes: list[str] = []
+        self._splits: dict[str, list[tuple[str, int]]] = {}
+        if self.root is not None:
+            if not self.root.is_dir():
+                raise DataError(
+                    f"Data root {self.root} does not exist; point --data.root at a folder with train/ and val/."
+                )
+            self.classes, self._splits["train"] = scan_split(self.root / "train")
+            for split in ("val", "test"):
+                if split == "test" and not (self.root / split).is_dir():
+                    continue
+                classes, samples = scan_split(self.root / split)
+                check_same_classes(self.root / "train", self.classes, self.root / split, classes)
+                self._splits[split] = samples
+        if self.predict_root is not None:
+            if not self.predict_root.is_dir():
+                raise DataError(f"Prediction folder {self.predict_root} does not exist.")
+            files = _image_files(self.predict_root)
+            if not files:
+                raise DataError(f"Prediction folder {self.predict_root} holds no images.")
+            self._splits["predict"] = [(str(p), i) for i, p in enumerate(files)]
+        if verify_images:
+            verify_image_files([p for samples in self._splits.values() for p, _ in samples], workers=max(1, workers))
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes in the training split (``None`` without one)."""
+        return len(self.classes) or None
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Class folder name to label index, as the model's outputs are ordered."""
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def samples(self, split: str) -> list[tuple[str, int]]:
+        """``(path, label)`` pairs of a split (``train``, ``val``, ``test`` or ``predict``)."""
+        if split not in self._splits:
+            raise DataError(f"There is no {split!r} split; the data module has {sorted(self._splits)}.")
+        return self._splits[split]
+
+    def train_transform(self) -> Callable[[Image.Image], Image.Image]:
+        return transforms.Compose(
+            [transforms.RandomResizedCrop(self.crop_size, scale=self.crop_scale), transforms.RandomHorizontalFlip()]
+        )
+
+    def eval_transform(self) -> Callable[[Image.Image], Image.Image]:
+        return transforms.Compose([transforms.Resize(self.val_resize), transforms.CenterCrop(self.crop_size)])
+
+    def _on_cuda(self) -> bool:
+        return self.prefetch_device is not None or (
+            self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        )
+
+    def _memory_format(self) -> torch.memory_format:
+        use = self._on_cuda() if self.channels_last is None else self.channels_last
+        return torch.channels_last if use else torch.contiguous_format
+
+    def _loader(self, split: str, train: bool) -> PrefetchLoader:
+        transform = self.train_transform() if train else self.eval_transform()
+        dataset = ImageFolderDataset(self.samples(split), transform)
+        sampler = None
+        if not train and self.trainer is not None and self.trainer.world_size > 1:
+            sampler = UnpaddedDistributedSampler(dataset, self.trainer.world_size, self.trainer.global_rank)
+        return PrefetchLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=train,
+            sampler=sampler,
+            num_workers=self.workers,
+            collate_fn=partial(collate_uint8, memory_format=self._memory_format()),
+            pin_memory=self.pin_memory and self._on_cuda(),
+            persistent_workers=self.workers > 0,
+            drop_last=False,
+            device=self.prefetch_device,
+            mean=self.mean,
+            std=self.std,
+        )
+
+    def train_dataloader(self) -> PrefetchLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> PrefetchLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> PrefetchLoader:
+        return self._loader("test" if "test" in self._splits else "val", train=False)
+
+    def predict_dataloader(self) -> PrefetchLoader:
+        return self._loader("predict", train=False)

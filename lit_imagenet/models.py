@@ -1,0 +1,143 @@
+"""torchvision classifiers by name, with weights from torchvision or from a local file.
+
+A local file may be a plain state dict, a checkpoint of this project (Lightning's, keys under
+``model.``), or a checkpoint of NVIDIA apex's ImageNet example (``{"state_dict": ..., "epoch": ...,
+"best_prec1": ..., "optimizer": ...}``, keys possibly under ``module.``). Files are read with
+``torch.load(weights_only=True)``, which never runs code from the file. When the file or the
+torchvision weights have another number of classes than asked for, the classifier head is
+replaced by a freshly initialised one and everything else is kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import Tensor, nn
+
+_PREFIXES = ("model.", "module.", "_orig_mod.")
+
+
+def architectures() -> list[str]:
+    """Names of torchvision's image classification architectures."""
+    return sorted(torchvision.models.list_models(module=torchvision.models))
+
+
+def classifier_name(model: nn.Module) -> str:
+    """Dotted name of the model's final ``nn.Linear``, the classifier head."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no nn.Linear classifier head to replace.")
+    return names[-1]
+
+
+def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
+    """Swaps the final ``nn.Linear`` for a new one with ``num_classes`` outputs (no-op if it has them)."""
+    name = classifier_name(model)
+    head = model.get_submodule(name)
+    assert isinstance(head, nn.Linear)
+    if head.out_features == num_classes:
+        return model
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, nn.Linear(head.in_features, num_classes, bias=head.bias is not None))
+    return model
+
+
+def _looks_like_path(weights: str) -> bool:
+    return Path(weights).exists() or "/" in weights or weights.endswith((".pt", ".pth", ".ckpt", ".tar", ".bin"))
+
+
+def extract_state_dict(obj: object, source: str = "the weights file") -> dict[str, Tensor]:
+    """The network's parameters from a loaded file, with ``model.``/``module.``/``_orig_mod.`` prefixes removed."""
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise ValueError(f"{source} holds no state dict of tensors; give a state dict or a checkpoint.")
+    state: dict[str, Tensor] = {}
+    for key, value in obj.items():
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in _PREFIXES:
+                if key.startswith(prefix):
+                    key = key[len(prefix) :]
+                    stripped = True
+        state[key] = value
+    return state
+
+
+def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
+    """Loads a local weights file into ``model``; returns the keys left at their initial values.
+
+    Only the classifier head may be left out (when its shape differs); anything else that does
+    not fit is an error that names the keys.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Weights file {path} does not exist; give a torchvision weights name or a file path.")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ValueError(
+            f"Cannot load weights file {path} safely ({err}); it must be a PyTorch file of tensors."
+        ) from None
+    state = extract_state_dict(obj, str(path))
+    own = model.state_dict()
+    head = classifier_name(model)
+    skipped = []
+    for key in list(state):
+        if key in own and state[key].shape != own[key].shape:
+            if key.startswith(head + "."):
+                del state[key]
+                skipped.append(key)
+            else:
+                raise ValueError(
+                    f"{path}: {key} has shape {tuple(state[key].shape)} but the model needs {tuple(own[key].shape)}; "
+                    "was it saved from another architecture?"
+                )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k not in skipped]
+    if missing or unexpected:
+        detail = []
+        if missing:
+            detail.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            detail.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        raise ValueError(f"{path} does not fit {type(model).__name__} ({'; '.join(detail)}); check --model.arch.")
+    return skipped
+
+
+def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.Module:
+    """A torchvision classifier with ``num_classes`` outputs.
+
+    Args:
+        arch: A torchvision architecture name, such as ``resnet50``.
+        num_classes: Number of output classes.
+        weights: ``None`` for random initialisation; a torchvision weights name (``IMAGENET1K_V2``,
+            ``DEFAULT`` or ``ResNet50_Weights.IMAGENET1K_V2``); or the path of a local file.
+    """
+    names = architectures()
+    if arch not in names:
+        raise ValueError(f"Unknown architecture {arch!r}; choose one of torchvision's: {', '.join(names)}.")
+    if num_classes < 1:
+        raise ValueError(f"num_classes must be at least 1. Got {num_classes}")
+    if weights is None:
+        return torchvision.models.get_model(arch, num_classes=num_classes)
+    if _looks_like_path(weights):
+        model = torchvision.models.get_model(arch, num_classes=num_classes)
+        load_weights_file(model, weights)
+        return model
+    try:
+        enum = torchvision.models.get_model_weights(arch)
+        name = weights.split(".")[-1]
+        tv_weights = enum[name] if name != "DEFAULT" else enum.DEFAULT
+    except (KeyError, ValueError):
+        choices = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(arch))])
+        raise ValueError(
+            f"{arch} has no torchvision weights {weights!r}; choose one of {choices}, or a file path."
+        ) from None
+    model = torchvision.models.get_model(arch, weights=tv_weights)
+    return replace_head(model, num_classes)

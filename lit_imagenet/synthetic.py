@@ -1,0 +1,148 @@
+"""A small, learnable ImageFolder of coloured shapes, for the demo, the tests and the benchmarks.
+
+Each class is a shape (circle, square, triangle, cross, ring, star) drawn at a random size,
+position and rotation, in a colour whose hue leans to the class (so that a small network learns
+it in a few CPU minutes), on a noisy background of a random colour, saved as JPEG. The folder
+gets ``train/`` and ``val/`` splits; a finished folder is reused when asked for again with the
+same settings. Run ``python -m lit_imagenet.synthetic --help``.
+"""
+
+from __future__ import annotations
+
+import colorsys
+import json
+import math
+import random
+import shutil
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SHAPES = ("circle", "square", "triangle", "cross", "ring", "star")
+_MARKER = ".complete.json"
+
+
+def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
+    if kind == "square":
+        pts = [(math.cos(a), math.sin(a)) for a in (math.pi / 4 + k * math.pi / 2 for k in range(4))]
+    elif kind == "triangle":
+        pts = [(math.cos(a), math.sin(a)) for a in (-math.pi / 2 + k * 2 * math.pi / 3 for k in range(3))]
+    elif kind == "star":
+        pts = [
+            ((1.0 if k % 2 == 0 else 0.42) * math.cos(a), (1.0 if k % 2 == 0 else 0.42) * math.sin(a))
+            for k, a in enumerate(-math.pi / 2 + k * math.pi / 5 for k in range(10))
+        ]
+    elif kind == "cross":
+        w = 0.33
+        pts = [(w, 1), (w, w), (1, w), (1, -w), (w, -w), (w, -1)]
+        pts += [(-x, -y) for x, y in pts]  # the other half, by point symmetry
+    else:
+        raise ValueError(f"{kind!r} is not a polygon shape.")
+    c, s = math.cos(angle), math.sin(angle)
+    return [(cx + r * (x * c - y * s), cy + r * (x * s + y * c)) for x, y in pts]
+
+
+def _colours(rng: random.Random, hue: float) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    while True:
+        h = (hue + rng.uniform(-0.05, 0.05)) % 1.0
+        fg = tuple(round(255 * v) for v in colorsys.hsv_to_rgb(h, rng.uniform(0.6, 1.0), rng.uniform(0.6, 1.0)))
+        bg = tuple(rng.randrange(256) for _ in range(3))
+        if sum(abs(a - b) for a, b in zip(fg, bg)) >= 180:
+            return fg, bg  # type: ignore[return-value]
+
+
+def draw_shape(kind: str, size: tuple[int, int], seed: int) -> Image.Image:
+    """One RGB image of ``kind`` (one of ``SHAPES``), ``size`` = (width, height), fixed by ``seed``."""
+    rng = random.Random(seed)
+    width, height = size
+    fg, bg = _colours(rng, SHAPES.index(kind) / len(SHAPES))
+    noise = np.random.default_rng(seed).normal(0.0, 12.0, size=(height, width, 3))
+    background = np.clip(np.asarray(bg, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
+    img = Image.fromarray(background, "RGB")
+    draw = ImageDraw.Draw(img)
+    side = min(width, height)
+    r = rng.uniform(0.22, 0.4) * side
+    cx = rng.uniform(r, width - r)
+    cy = rng.uniform(r, height - r)
+    if kind == "circle":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
+    elif kind == "ring":
+        draw.ellipse([cx - r, cy - r, cx + r, cy + r], outline=fg, width=max(2, int(r * 0.3)))
+    else:
+        draw.polygon(_polygon(kind, cx, cy, r, rng.uniform(0, 2 * math.pi)), fill=fg)
+    return img
+
+
+def _write(job: tuple[str, str, tuple[int, int], int, int]) -> None:
+    path, kind, size, seed, quality = job
+    draw_shape(kind, size, seed).save(path, quality=quality)
+
+
+def make_shapes(
+    out: str,
+    train_per_class: int = 300,
+    val_per_class: int = 60,
+    width: int = 96,
+    height: int = 96,
+    num_classes: int = 6,
+    quality: int = 90,
+    seed: int = 0,
+    processes: int = 1,
+) -> Path:
+    """Writes a shapes ImageFolder to ``out`` (or reuses one made with the same settings) and returns its path.
+
+    Args:
+        out: Folder to create; it gets ``train/`` and ``val/``.
+        train_per_class: Training images per class.
+        val_per_class: Validation images per class.
+        width: Image width in pixels.
+        height: Image height in pixels.
+        num_classes: Number of classes, from 2 up to the number of shapes (6).
+        quality: JPEG quality.
+        seed: Seed of every random choice; the same seed gives the same images.
+        processes: Worker processes for drawing and encoding.
+    """
+    if not 2 <= num_classes <= len(SHAPES):
+        raise ValueError(f"num_classes must be between 2 and {len(SHAPES)}. Got {num_classes}")
+    root = Path(out)
+    settings = {
+        "train_per_class": train_per_class,
+        "val_per_class": val_per_class,
+        "size": [width, height],
+        "num_classes": num_classes,
+        "quality": quality,
+        "seed": seed,
+    }
+    marker = root / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == settings:
+        print(f"Reusing the shapes data in {root}", flush=True)
+        return root
+    if root.exists():
+        if any(root.iterdir()) and not marker.is_file():
+            raise FileExistsError(f"{root} exists and was not made by this generator; choose another folder.")
+        shutil.rmtree(root)
+    jobs = []
+    for split, count, offset in (("train", train_per_class, 0), ("val", val_per_class, 10_000_000)):
+        for c, kind in enumerate(SHAPES[:num_classes]):
+            folder = root / split / kind
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                image_seed = seed * 100_000_000 + offset + c * 1_000_000 + i
+                jobs.append((str(folder / f"{kind}_{i:06d}.jpg"), kind, (width, height), image_seed, quality))
+    if processes > 1:
+        with ProcessPoolExecutor(processes) as pool:
+            list(pool.map(_write, jobs, chunksize=64))
+    else:
+        for job in jobs:
+            _write(job)
+    marker.write_text(json.dumps(settings))
+    print(f"Wrote {len(jobs)} images of {num_classes} classes to {root}", flush=True)
+    return root
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(make_shapes)
