@@ -1,0 +1,173 @@
+"""The LightningModule: a torchvision classifier, its metrics and the reference's LR schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
+from torch import Tensor, nn
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+from lit_imagenet.callbacks import CUDAPrefetch
+from lit_imagenet.models import build_model
+from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.schedule import WarmupMultiStep, scaled_lr
+
+
+def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
+    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
+    return MetricCollection(
+        {
+            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
+            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
+        },
+        prefix=prefix,
+    )
+
+
+class ImageClassifier(pl.LightningModule):
+    """A torchvision classifier trained with SGD and NVIDIA apex's ImageNet learning-rate rule.
+
+    Args:
+        arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
+        num_classes: Number of classes; the command line takes it from the data.
+        weights: Initial weights: ``None`` (random), a torchvision weights name such as
+            ``IMAGENET1K_V2``, or the path of a state dict or checkpoint. The classifier head is
+            replaced when its number of classes differs.
+        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``, where
+            the global batch is batch size x processes x gradient accumulation.
+        momentum: SGD momentum.
+        weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
+        warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
+        milestones: Epochs at which the learning rate is multiplied by ``lr_gamma``.
+        lr_gamma: The multiplier at each milestone.
+        channels_last: Keep the network in channels_last memory format. ``None``: on when the run
+            uses a CUDA device.
+        class_names: Class names in label order; the command line takes them from the data and
+            they are stored in checkpoints.
+    """
+
+    def __init__(
+        self,
+        arch: str = "resnet50",
+        num_classes: int = 1000,
+        weights: str | None = None,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 1e-4,
+        warmup_epochs: int = 5,
+        milestones: Sequence[int] = (30, 60, 80),
+        lr_gamma: float = 0.1,
+        channels_last: bool | None = None,
+        class_names: list[str] | None = None,
+    ) -> None:
+        super().__init__()
+        if class_names is not None and len(class_names) != num_classes:
+            raise ValueError(f"Got {len(class_names)} class names for {num_classes} classes.")
+        self.save_hyperparameters()
+        self.model = build_model(arch, num_classes, weights)
+        self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_metrics = accuracy_metrics(num_classes, "train/")
+        self.val_metrics = accuracy_metrics(num_classes, "val/")
+        self.test_metrics = accuracy_metrics(num_classes, "test/")
+        self.train_loss = MeanMetric()
+        self.val_loss = MeanMetric()
+        self.test_loss = MeanMetric()
+
+    @override
+    def forward(self, images: Tensor) -> Tensor:
+        """Logits for a batch of normalised float images, or of uint8 images in [0, 255]."""
+        if images.dtype == torch.uint8:
+            images = self.normalize(images, dtype=self.dtype if self.dtype.is_floating_point else torch.float32)
+        out = self.model(images)
+        if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
+            out = out[0]
+        return out
+
+    @override
+    def setup(self, stage: str) -> None:
+        use = self.hparams.channels_last
+        if use is None:
+            use = self.trainer.strategy.root_device.type == "cuda"
+        if use:
+            self.model.to(memory_format=torch.channels_last)
+
+    @override
+    def configure_callbacks(self) -> list[pl.Callback]:
+        if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks):
+            return []
+        return [CUDAPrefetch()]
+
+    @override
+    def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
+        images, targets = batch[0], batch[1]
+        logits = self(images)
+        loss = self.criterion(logits, targets)
+        # Metric objects are logged so that Lightning reads them only when it writes a log line,
+        # and syncs them across ranks once per epoch rather than at every step.
+        self.train_loss(loss.detach())
+        self.train_metrics(logits.detach(), targets)
+        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
+        self.log_dict(self.train_metrics, on_step=True, on_epoch=True)
+        return loss
+
+    def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:
+        images, targets = batch[0], batch[1]
+        logits = self(images)
+        loss = self.criterion(logits, targets)
+        metrics.update(logits, targets)
+        loss_metric.update(loss, weight=targets.numel())
+        prefix = metrics.prefix or ""
+        self.log(f"{prefix}loss", loss_metric, on_step=False, on_epoch=True)
+        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True)
+
+    @override
+    def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.val_metrics, self.val_loss)
+
+    @override
+    def test_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, self.test_metrics, self.test_loss)
+
+    @override
+    def predict_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
+        """Class probabilities, with the batch's sample indices (``index``) to find the files."""
+        probs = torch.softmax(self(batch[0]).float(), dim=1)
+        return {"probs": probs, "index": batch[1]}
+
+    def global_batch_size(self) -> int:
+        """Images per optimizer step over all processes: batch x processes x gradient accumulation."""
+        loader = self.trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None)
+        if not batch_size:
+            raise ValueError("The training loader has no batch_size; the learning rate is scaled by it.")
+        return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps in one epoch of the training loader (as limited by the trainer)."""
+        batches = self.trainer.num_training_batches
+        if math.isinf(batches):
+            raise ValueError("The training loader has no length; the warmup and step schedule are counted in epochs.")
+        return max(1, math.ceil(batches / self.trainer.accumulate_grad_batches))
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
+        _ = self.trainer.estimated_stepping_batches  # loads the training loader, so its length is known
+        hp = self.hparams
+        base_lr = scaled_lr(hp.lr, self.global_batch_size())
+        optimizer = torch.optim.SGD(self.parameters(), lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        schedule = WarmupMultiStep(self.steps_per_epoch(), hp.warmup_epochs, hp.milestones, hp.lr_gamma)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["arch"] = self.hparams.arch
+        checkpoint["class_names"] = self.hparams.class_names
