@@ -1,0 +1,135 @@
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_imagenet.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs() -> None:
+    assert {p.name for p in CONFIGS} >= {"resnet50.yaml", "ddp.yaml", "demo.yaml"}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_config_parses_and_instantiates(config: Path, shapes_root: Path, tmp_path: Path) -> None:
+    args = ["--config", str(config), "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path)]
+    if config.name in ("resnet50.yaml", "ddp.yaml"):
+        args += [
+            "--trainer.accelerator",
+            "cpu",
+            "--trainer.devices",
+            "1",
+            "--trainer.strategy",
+            "auto",
+            "--trainer.precision",
+            "32-true",
+        ]
+    cli = main(args, run=False)
+    assert cli.model.hparams.num_classes == 3
+    assert cli.model.hparams.class_names == ["circle", "square", "triangle"]
+    if config.name == "resnet50.yaml":
+        assert cli.model.hparams.arch == "resnet50" and cli.datamodule.batch_size == 256
+        assert cli.model.hparams.milestones == [30, 60, 80]
+
+
+def test_help_shows_docstrings(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--model.lr" in out and "per 256 images" in out
+    assert "--data.crop_scale" in out and "RandomResizedCrop" in out
+
+
+def test_print_config(shapes_root: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(REPO / "configs/demo.yaml"), "--data.root", str(shapes_root), "--print_config"])
+    out = capsys.readouterr().out
+    assert "arch: resnet18" in out and "batch_size: 64" in out
+
+
+def _fit_args(root: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--data.root", str(root), "--data.batch_size", "8", "--data.workers", "1", "--data.crop_size", "32",
+        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.max_epochs", "1",
+        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path), *extra,
+    ]  # fmt: skip
+
+
+def test_fit_prints_where_logs_and_checkpoints_went(shapes_root: Path, tmp_path: Path, capsys) -> None:
+    main(_fit_args(shapes_root, tmp_path))
+    out = capsys.readouterr().out
+    assert f"Logs: {tmp_path}" in out
+    best = next(line for line in out.splitlines() if line.startswith("Best checkpoint: "))
+    path = Path(best.split(": ", 1)[1].split(" (")[0])
+    assert path.is_file()
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["class_names"] == ["circle", "square", "triangle"]
+
+
+def test_missing_root_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(tmp_path / "nowhere", tmp_path))
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: Data root") and "nowhere" in err and "\n" not in err
+
+
+def test_corrupt_image_found_in_a_worker_stops_the_run_with_its_name(shapes_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        for folder in (shapes_root / split).iterdir():
+            (root / split / folder.name).mkdir(parents=True)
+            for f in folder.iterdir():
+                (root / split / folder.name / f.name).write_bytes(f.read_bytes())
+    bad = root / "train" / "square" / "square_000003.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *_fit_args(root, tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Cannot decode image") and str(bad) in last
+    assert "Traceback" not in proc.stderr
+
+
+def _metrics(log_dir: Path) -> dict[str, float]:
+    rows = list(csv.DictReader(open(next(log_dir.rglob("metrics.csv")))))
+    return {k: float(v) for row in rows for k, v in row.items() if v and k.startswith("val/")}
+
+
+def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    from lit_imagenet.models import build_model
+
+    weights = tmp_path / "weights.pt"
+    torch.save(build_model("resnet18", 3).state_dict(), weights)
+    results = {}
+    for devices in (1, 2):
+        out = tmp_path / f"d{devices}"
+        args = [
+            "validate", "--data.root", str(shapes_root), "--data.batch_size", "4", "--data.workers", "0",
+            "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", "resnet18",
+            "--model.weights", str(weights), "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
+            "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.enable_progress_bar", "false",
+            "--trainer.logger.init_args.save_dir", str(out), "--trainer.default_root_dir", str(out),
+        ]  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True, timeout=300, cwd=tmp_path
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[devices] = _metrics(out)
+    single, ddp = results[1], results[2]
+    # 15 images on 2 ranks: a padded sampler would count one image twice, and no k/15 equals a j/16 in (0, 1)
+    assert 0 < single["val/top1"] < 1, single
+    assert ddp["val/top1"] == single["val/top1"]
+    assert ddp["val/top5"] == single["val/top5"]
+    assert abs(ddp["val/loss"] - single["val/loss"]) < 1e-5

@@ -1,0 +1,147 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from lit_imagenet.data import (
+    DataError,
+    ImageFolderDataModule,
+    UnpaddedDistributedSampler,
+    collate_uint8,
+    load_rgb,
+)
+
+
+def reference_fast_collate(batch, memory_format):
+    """The example's fast_collate, restated: PIL images to a uint8 NCHW tensor in memory_format."""
+    targets = torch.tensor([t for _, t in batch], dtype=torch.int64)
+    w, h = batch[0][0].size
+    out = torch.zeros((len(batch), 3, h, w), dtype=torch.uint8).contiguous(memory_format=memory_format)
+    for i, (img, _) in enumerate(batch):
+        arr = np.asarray(img, dtype=np.uint8)
+        if arr.ndim < 3:
+            arr = np.expand_dims(arr, axis=-1)
+        out[i] += torch.from_numpy(np.rollaxis(arr, 2))
+    return out, targets
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_collate_equals_reference(memory_format: torch.memory_format) -> None:
+    rng = np.random.default_rng(0)
+    batch = [(Image.fromarray(rng.integers(0, 256, (12, 20, 3), dtype=np.uint8)), t) for t in (3, 0, 7)]
+    images, targets = collate_uint8(batch, memory_format)
+    ref_images, ref_targets = reference_fast_collate(batch, memory_format)
+    assert images.dtype == torch.uint8 and images.shape == (3, 3, 12, 20)
+    assert torch.equal(images, ref_images) and torch.equal(targets, ref_targets)
+    assert images.is_contiguous(memory_format=memory_format)
+
+
+def test_collate_refuses_images_of_different_sizes() -> None:
+    batch = [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 8)), 1)]
+    with pytest.raises(ValueError, match="one size"):
+        collate_uint8(batch)
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "CMYK", "RGBA", "PNG-P-transparent"])
+def test_images_of_any_mode_become_rgb(tmp_path: Path, mode: str) -> None:
+    if mode == "PNG-P-transparent":
+        img = Image.new("P", (10, 6), 3)
+        img.info["transparency"] = 3
+        path = tmp_path / "t.png"
+        img.save(path, transparency=3)
+    else:
+        img = Image.new(mode, (10, 6))
+        path = tmp_path / ("x.jpg" if mode in ("L", "CMYK") else "x.png")
+        img.save(path)
+    out = load_rgb(str(path))
+    assert out.mode == "RGB" and out.size == (10, 6)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated"])
+def test_undecodable_image_names_the_file(tmp_path: Path, content) -> None:
+    path = tmp_path / "bad.jpg"
+    if content == "truncated":
+        Image.new("RGB", (64, 64), (200, 10, 10)).save(path, quality=90)
+        path.write_bytes(path.read_bytes()[:300])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match="bad.jpg"):
+        load_rgb(str(path))
+
+
+def test_datamodule_reads_classes_and_batches(shapes_root: Path) -> None:
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=32, val_resize=36)
+    assert dm.num_classes == 3 and dm.classes == ["circle", "square", "triangle"]
+    assert dm.class_to_idx == {"circle": 0, "square": 1, "triangle": 2}
+    images, targets = next(iter(dm.train_dataloader()))
+    assert images.dtype == torch.uint8 and images.shape == (4, 3, 32, 32)
+    assert targets.dtype == torch.int64
+    val = [t for _, t in dm.val_dataloader()]
+    assert sum(len(t) for t in val) == 15
+
+
+def _make_split(root: Path, split: str, classes: dict[str, int]) -> None:
+    for name, count in classes.items():
+        folder = root / split / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            Image.new("RGB", (8, 8), (i * 20, 0, 0)).save(folder / f"{i}.png")
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        ("no_root", "does not exist"),
+        ("no_val", "val does not exist"),
+        ("empty_class", "holds no images"),
+        ("mismatch", "different class folders"),
+        ("stray_file", "is not an image file"),
+        ("no_classes", "has no class folders"),
+    ],
+)
+def test_bad_layouts_are_refused_before_training(tmp_path: Path, layout: str, message: str) -> None:
+    root = tmp_path / "data"
+    if layout != "no_root":
+        _make_split(root, "train", {"a": 2, "b": 2})
+        if layout != "no_val":
+            _make_split(root, "val", {"a": 1, "c": 1} if layout == "mismatch" else {"a": 1, "b": 1})
+    if layout == "empty_class":
+        (root / "train" / "c").mkdir()
+        (root / "val" / "c").mkdir()
+    if layout == "stray_file":
+        (root / "train" / "a" / "notes.txt").write_text("hello")
+    if layout == "no_classes":
+        for p in (root / "val").iterdir():
+            for f in p.iterdir():
+                f.unlink()
+            p.rmdir()
+    with pytest.raises(DataError, match=message):
+        ImageFolderDataModule(str(root), workers=0)
+
+
+def test_hidden_files_are_not_data(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _make_split(root, "train", {"a": 2, "b": 2})
+    _make_split(root, "val", {"a": 1, "b": 1})
+    (root / "train" / "a" / ".DS_Store").write_bytes(b"\0")
+    assert len(ImageFolderDataModule(str(root), workers=0).samples("train")) == 4
+
+
+def test_verify_images_finds_a_corrupt_file_up_front(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _make_split(root, "train", {"a": 2, "b": 2})
+    _make_split(root, "val", {"a": 1, "b": 1})
+    (root / "val" / "b" / "broken.png").write_bytes(b"\x89PNG garbage")
+    ImageFolderDataModule(str(root), workers=0)  # found only when read
+    with pytest.raises(DataError, match="broken.png"):
+        ImageFolderDataModule(str(root), workers=0, verify_images=True)
+
+
+@pytest.mark.parametrize("n, world", [(15, 2), (13, 4), (3, 4), (8, 2)])
+def test_unpadded_sampler_sees_every_sample_once(n: int, world: int) -> None:
+    dataset = list(range(n))
+    shards = [list(UnpaddedDistributedSampler(dataset, world, r)) for r in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(n))
+    assert [len(UnpaddedDistributedSampler(dataset, world, r)) for r in range(world)] == [len(s) for s in shards]

@@ -1,0 +1,111 @@
+"""GPU behaviour: the same code as on CPU, checked where CUDA exists (skipped elsewhere)."""
+
+import functools
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from lit_imagenet import ImageClassifier, ImageFolderDataModule
+from lit_imagenet.prefetch import CUDAPrefetcher, Uint8Normalize
+
+pytestmark = pytest.mark.gpu
+
+
+def _batches(n: int, size: int = 512) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        [torch.randint(0, 256, (size, 3, 224, 224), dtype=torch.uint8, generator=g).pin_memory(),
+         torch.randint(0, 10, (size,)).pin_memory()]
+        for _ in range(n)
+    ]  # fmt: skip
+
+
+def _compute(x: torch.Tensor, weight: torch.Tensor, reps: int) -> torch.Tensor:
+    y = x.view(x.shape[0], -1)[:, :4096].to(weight.dtype)
+    for _ in range(reps):
+        y = torch.tanh(y @ weight)
+    return y
+
+
+def test_prefetcher_output_equals_plain_normalisation() -> None:
+    device = torch.device("cuda")
+    batches = _batches(3, size=8)
+    out = list(CUDAPrefetcher(iter(batches), device, Uint8Normalize()))
+    assert len(out) == 3
+    cpu_norm = Uint8Normalize()
+    for (x, y), (gx, gy) in zip(batches, out):
+        assert gx.is_cuda and gx.dtype == torch.float32
+        torch.testing.assert_close(gx.cpu(), cpu_norm(x))
+        assert torch.equal(gy.cpu(), y)
+
+
+def test_prefetcher_overlaps_copies_with_compute() -> None:
+    device = torch.device("cuda")
+    batches = _batches(12)
+    weight = torch.randn(4096, 4096, device=device, dtype=torch.float16) / 64
+    norm = Uint8Normalize()
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def copies_only() -> None:
+        for _ in CUDAPrefetcher(iter(batches), device, norm):
+            pass
+
+    x0 = torch.zeros(512, 3, 224, 224, device=device)
+
+    def compute_only(reps: int) -> None:
+        for _ in batches:
+            _compute(x0, weight, reps)
+
+    def both(reps: int) -> None:
+        for x, _ in CUDAPrefetcher(iter(batches), device, norm):
+            _compute(x, weight, reps)
+
+    timed(copies_only)
+    timed(functools.partial(compute_only, 1))  # warm-up: cuBLAS initialisation is not compute
+    t_copy = min(timed(copies_only) for _ in range(3))
+    reps = 1  # size the compute to about the copy time, where overlap matters most
+    while timed(functools.partial(compute_only, reps)) < t_copy and reps < 4096:
+        reps *= 2
+    t_compute = min(timed(functools.partial(compute_only, reps)) for _ in range(3))
+    t_both = min(timed(functools.partial(both, reps)) for _ in range(3))
+    print(f"copy {t_copy * 1e3:.1f} ms, compute {t_compute * 1e3:.1f} ms, both {t_both * 1e3:.1f} ms")
+    assert t_both < 0.85 * (t_copy + t_compute)
+
+
+def test_channels_last_16_mixed_fit(learnable_root: Path, tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    dm = ImageFolderDataModule(str(learnable_root), batch_size=16, workers=2, crop_size=32, val_resize=36)
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.4, warmup_epochs=0, milestones=[6])
+    seen = {}
+
+    class Check(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            images = batch[0]
+            seen["batch"] = (images.device.type, images.dtype, images.is_contiguous(memory_format=torch.channels_last))
+            seen["weight"] = pl_module.model.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+
+    trainer = pl.Trainer(
+        default_root_dir=tmp_path,
+        accelerator="gpu",
+        devices=1,
+        precision="16-mixed",
+        max_epochs=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        callbacks=[Check()],
+    )
+    trainer.fit(model, dm)
+    assert seen["batch"] == ("cuda", torch.float32, True)
+    assert seen["weight"] is True
+    assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
+    assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1

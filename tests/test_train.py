@@ -1,0 +1,81 @@
+import math
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+from lit_imagenet import ImageClassifier, ImageFolderDataModule
+from lit_imagenet.schedule import scaled_lr
+
+
+class _Record(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _trainer(tmp_path: Path, **kwargs) -> pl.Trainer:
+    defaults = dict(
+        default_root_dir=tmp_path,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    return pl.Trainer(**{**defaults, **kwargs})
+
+
+def test_short_fit_lowers_the_loss(learnable_root: Path, tmp_path: Path) -> None:
+    pl.seed_everything(0)
+    dm = ImageFolderDataModule(
+        str(learnable_root), batch_size=16, workers=0, crop_size=32, val_resize=36, crop_scale=(0.5, 1.0)
+    )
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.4, warmup_epochs=0, class_names=dm.classes)
+    record = _Record()
+    trainer = _trainer(tmp_path, max_epochs=4, callbacks=[record], num_sanity_val_steps=0)
+    trainer.fit(model, dm)
+    per_epoch = len(record.losses) // 4
+    first = sum(record.losses[:per_epoch]) / per_epoch
+    last = sum(record.losses[-per_epoch:]) / per_epoch
+    assert last < 0.75 * first, (first, last)
+    assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
+
+
+def test_fit_follows_the_schedule_with_accumulation(shapes_root: Path, tmp_path: Path) -> None:
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=5, workers=0, crop_size=32, val_resize=36)
+    model = ImageClassifier("resnet18", num_classes=3, lr=0.1, warmup_epochs=2, milestones=[3])
+    record = _Record()
+    trainer = _trainer(tmp_path, max_epochs=4, accumulate_grad_batches=2, callbacks=[record], limit_val_batches=0)
+    trainer.fit(model, dm)
+    batches = math.ceil(24 / 5)  # 5 batches per epoch, 3 optimizer steps (the last one partial)
+    steps = math.ceil(batches / 2)
+    base = scaled_lr(0.1, 5 * 2)
+    expected = []
+    for epoch in range(4):
+        for batch in range(batches):
+            k = batch // 2 + 1
+            factor = 0.1 if epoch >= 3 else 1.0
+            if epoch < 2:
+                factor *= (1 + k + epoch * steps) / (2 * steps)
+            expected.append(base * factor)
+    assert len(record.lrs) == len(expected)
+    for got, want in zip(record.lrs, expected):
+        assert math.isclose(got, want, rel_tol=1e-9)
+
+
+def test_uint8_and_float_inputs_give_the_same_logits() -> None:
+    torch.manual_seed(0)
+    model = ImageClassifier("resnet18", num_classes=4).eval()
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    floats = (images.float() / 255 - mean) / std
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), model(floats), rtol=1e-4, atol=1e-4)
