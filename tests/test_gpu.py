@@ -78,7 +78,8 @@ def test_prefetcher_overlaps_copies_with_compute() -> None:
     t_compute = min(timed(functools.partial(compute_only, reps)) for _ in range(3))
     t_both = min(timed(functools.partial(both, reps)) for _ in range(3))
     print(f"copy {t_copy * 1e3:.1f} ms, compute {t_compute * 1e3:.1f} ms, both {t_both * 1e3:.1f} ms")
-    assert t_both < 0.85 * (t_copy + t_compute)
+    # Serial would be t_copy + t_compute; at least a quarter of the shorter one must be hidden.
+    assert t_both < t_copy + t_compute - 0.25 * min(t_copy, t_compute)
 
 
 def test_channels_last_16_mixed_fit(learnable_root: Path, tmp_path: Path) -> None:
