@@ -5,15 +5,20 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import pytorch_lightning as pl
+import torch
 from jsonargparse import lazy_instance
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch, Throughput
-from lit_imagenet.data import DataError, ImageFolderDataModule
+from lit_imagenet.data import ImageFolderDataModule
+from lit_imagenet.errors import ConfigError, UserError
 from lit_imagenet.module import ImageClassifier
+from lit_imagenet.precision import AMPFlags, ApexDDPStrategy, resolve_amp
 
 
 def _trainer_defaults() -> dict[str, Any]:
@@ -47,12 +52,23 @@ class ImageNetCLI(LightningCLI):
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
         parser.add_lightning_class_args(Throughput, "throughput")
+        parser.add_class_arguments(AMPFlags, "amp")
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        trainer_config = dict(self._get(self.config_init, "trainer", default={}))
+        amp = self._get(self.config_init, "amp")
+        if amp is not None and amp.opt_level is not None:
+            kwargs.update(_amp_trainer_kwargs(amp, {**trainer_config, **kwargs}))
+        _check_bf16({**trainer_config, **kwargs})
+        return super().instantiate_trainer(**kwargs)
 
     def after_fit(self) -> None:
         trainer = self.trainer
+        log_dir = trainer.log_dir  # a collective under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        lines = [f"Logs: {trainer.log_dir}"]
+        lines = [f"Logs: {log_dir}"]
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "best_model_path", ""):
             score = ckpt.best_model_score
@@ -63,8 +79,65 @@ class ImageNetCLI(LightningCLI):
         print("\n".join(lines), flush=True)
 
 
+def _process_count(trainer_config: dict[str, Any]) -> int:
+    devices = trainer_config.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        count = int(devices)
+    elif isinstance(devices, int):
+        count = devices
+    else:
+        count = -1
+    if count == -1:
+        count = max(1, torch.cuda.device_count())
+    return count * int(trainer_config.get("num_nodes", 1) or 1)
+
+
+def _device_type(trainer_config: dict[str, Any]) -> str:
+    accelerator = str(trainer_config.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[str, Any]:
+    """Trainer arguments for the reference's AMP flags, which take the place of ``--trainer.precision``."""
+    precision = trainer_config.get("precision")
+    processes = _process_count(trainer_config)
+    try:
+        choice = resolve_amp(amp.opt_level, amp.keep_batchnorm_fp32, amp.loss_scale, amp.backend, processes,
+                             _device_type(trainer_config))  # fmt: skip
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
+    replaced = f", in place of --trainer.precision {precision}" if precision not in (None, "32-true") else ""
+    rank_zero_info(choice.message + replaced)
+    # A precision plugin and a precision flag cannot both reach the Trainer.
+    kwargs: dict[str, Any] = {"precision": choice.precision}
+    if choice.plugin is not None:
+        plugins = trainer_config.get("plugins") or []
+        kwargs["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), choice.plugin]
+    if choice.strategy is not None:
+        strategy = trainer_config.get("strategy", "auto")
+        if strategy not in ("auto", "ddp", "ddp_apex") and not isinstance(strategy, ApexDDPStrategy):
+            raise ConfigError(f"apex AMP runs with one process or --trainer.strategy ddp_apex, not {strategy!r}.")
+        if not isinstance(strategy, ApexDDPStrategy):
+            kwargs["strategy"] = choice.strategy
+    return kwargs
+
+
+def _check_bf16(trainer_config: dict[str, Any]) -> None:
+    precision = str(trainer_config.get("precision"))
+    if precision.startswith("bf16") and _device_type(trainer_config) == "cuda" and torch.cuda.is_available():
+        if not torch.cuda.is_bf16_supported():
+            name = torch.cuda.get_device_name()
+            raise ConfigError(
+                f"{name} cannot compute in bfloat16; use --trainer.precision 16-mixed instead of {precision}."
+            )
+
+
 def _user_message(err: BaseException) -> str:
-    """The one sentence of a ``DataError``, also when it was re-raised from a loader worker."""
+    """The one sentence of a ``UserError``, also when it was re-raised from a loader worker."""
     text = str(err).strip()
     if "Original Traceback" in text:  # re-raised by DataLoader: the original message is the last line
         last = text.splitlines()[-1]
@@ -74,7 +147,7 @@ def _user_message(err: BaseException) -> str:
 
 
 def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
-    """Runs the command line; a data error prints one line and exits with status 2.
+    """Runs the command line; a data or configuration error prints one line and exits with status 2.
 
     Args:
         args: The arguments; ``None`` reads ``sys.argv``.
@@ -89,6 +162,6 @@ def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
             args=args,
             run=run,
         )
-    except DataError as err:
+    except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -28,13 +28,10 @@ from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchvision import transforms
 
+from lit_imagenet.errors import DataError
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, PrefetchLoader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-
-
-class DataError(ValueError):
-    """A problem with the user's data: the message names the file or folder and what to do."""
 
 
 def _is_hidden(name: str) -> bool:

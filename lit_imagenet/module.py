@@ -85,7 +85,9 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: Tensor) -> Tensor:
         """Logits for a batch of normalised float images, or of uint8 images in [0, 255]."""
         if images.dtype == torch.uint8:
-            images = self.normalize(images, dtype=self.dtype if self.dtype.is_floating_point else torch.float32)
+            # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
+            weight = next(self.model.parameters())
+            images = self.normalize(images, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
         out = self.model(images)
         if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
             out = out[0]

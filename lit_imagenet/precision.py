@@ -1,0 +1,330 @@
+"""Mixed precision: NVIDIA apex AMP as a Lightning precision plugin, and native equivalents.
+
+NVIDIA apex's ImageNet example trained with ``apex.amp`` opt levels O0-O3. Lightning 2 has no apex
+support and apex removed ``amp`` in release 25.07, but older containers still ship it and people
+moving over think in opt levels, so:
+
+- ``ApexAMP`` is a precision plugin that drives ``apex.amp`` (``amp.initialize``, ``amp.scale_loss``,
+  the loss scaler's state in checkpoints, clipping on apex's master parameters).
+- ``ApexDDPStrategy`` (``--trainer.strategy ddp_apex``) is Lightning's DDP strategy with one change
+  of order: apex needs ``amp.initialize`` to see the bare model and its optimizer before DDP wraps the
+  model, while Lightning's DDP strategy wraps first and connects the precision plugin afterwards.
+- ``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale``
+  into the apex plugin when ``apex.amp`` can be imported, and into the closest native setting
+  otherwise (``O0`` -> ``32-true``, ``O1``/``O2`` -> ``16-mixed``, ``O3`` -> ``16-true``), saying which.
+- ``StaticScaleMixedPrecision`` is native ``16-mixed`` with a fixed loss scale (the reference's
+  ``--loss-scale 128.0``); ``KeepBatchNormHalfPrecision`` is ``16-true`` with batch norm kept in float32
+  (``O3`` with ``--keep-batchnorm-fp32 True``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from pytorch_lightning.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+OptLevel = Literal["O0", "O1", "O2", "O3"]
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+NATIVE_EQUIVALENT = {"O0": "32-true", "O1": "16-mixed", "O2": "16-mixed", "O3": "16-true"}
+
+
+def import_apex_amp() -> Any:
+    """``apex.amp``, or an ``ImportError`` whose one sentence says what is missing and the native way."""
+    hint = "use native AMP instead: O0 -> --trainer.precision 32-true, O1/O2 -> 16-mixed, O3 -> 16-true"
+    try:
+        apex = importlib.import_module("apex")
+    except ImportError:
+        raise ImportError(f"NVIDIA apex is not installed, so apex AMP is not available; {hint}.") from None
+    try:
+        return importlib.import_module("apex.amp")
+    except ImportError:
+        version = getattr(apex, "__version__", "unknown")
+        raise ImportError(
+            f"The installed apex (version {version}, at {getattr(apex, '__file__', '?')}) has no apex.amp "
+            f"(removed in release 25.07; 25.05 is the last with it); {hint}."
+        ) from None
+
+
+def _parse_loss_scale(loss_scale: float | str | None) -> float | str | None:
+    if loss_scale is None or loss_scale == "dynamic":
+        return loss_scale
+    try:
+        value = float(loss_scale)
+    except (TypeError, ValueError):
+        raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}") from None
+    if not value > 0:
+        raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}")
+    return value
+
+
+class ApexAMP(Precision):
+    """Mixed precision through NVIDIA apex's ``amp`` (apex 25.05 or older), as the reference trained.
+
+    Use with one process, or with ``--trainer.strategy ddp_apex`` for several. Gradient accumulation
+    is refused (apex would unscale every micro-batch); gradient clipping works on apex's master
+    parameters. The loss scaler's state is saved in checkpoints and restored on resume.
+
+    Args:
+        opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 model with fp32 master
+            weights; ``O3`` pure fp16.
+        keep_batchnorm_fp32: Keep batch norm in float32 (apex's default: on for O2, off for O3).
+        loss_scale: A fixed loss scale, or ``"dynamic"`` (apex's default for O1-O2).
+    """
+
+    precision = "16-mixed"
+
+    def __init__(
+        self,
+        opt_level: OptLevel = "O1",
+        keep_batchnorm_fp32: bool | None = None,
+        loss_scale: float | Literal["dynamic"] | None = None,
+    ) -> None:
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}. Got {opt_level!r}")
+        self.amp = import_apex_amp()
+        self.opt_level = opt_level
+        self.keep_batchnorm_fp32 = keep_batchnorm_fp32
+        self.loss_scale = _parse_loss_scale(loss_scale)
+        self.precision = "32-true" if opt_level == "O0" else ("16-true" if opt_level == "O3" else "16-mixed")
+        self._initialized = False
+        self._pending_state: dict[str, Any] | None = None
+
+    def initialize(self, model: nn.Module, optimizers: list[Optimizer]) -> tuple[nn.Module, list[Optimizer]]:
+        """Calls ``amp.initialize`` on the bare model and its optimizers (before any DDP wrapping)."""
+        if isinstance(model, DistributedDataParallel):
+            raise RuntimeError(
+                "apex AMP must initialise the model before DDP wraps it; use --trainer.strategy ddp_apex."
+            )
+        trainer = getattr(model, "_trainer", None)
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                "Gradient accumulation is not supported with apex AMP (it would unscale every micro-batch); "
+                "use --trainer.precision 16-mixed, or --trainer.accumulate_grad_batches 1."
+            )
+        kwargs: dict[str, Any] = {"opt_level": self.opt_level, "verbosity": 0}
+        if self.keep_batchnorm_fp32 is not None:
+            kwargs["keep_batchnorm_fp32"] = self.keep_batchnorm_fp32
+        if self.loss_scale is not None:
+            kwargs["loss_scale"] = self.loss_scale
+        if optimizers:
+            model, optimizers = self.amp.initialize(model, optimizers, **kwargs)
+        else:
+            model = self.amp.initialize(model, **kwargs)
+        self._initialized = True
+        if self._pending_state is not None:
+            self.amp.load_state_dict(self._pending_state)
+            self._pending_state = None
+        return model, list(optimizers)
+
+    @override
+    def connect(self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any:
+        if not self._initialized:
+            model, optimizers = self.initialize(model, optimizers)
+        return model, optimizers, lr_schedulers
+
+    @override
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if optimizer is None:
+            raise RuntimeError("apex AMP needs the optimizer to scale the loss; manual optimization is not supported.")
+        with self.amp.scale_loss(tensor, optimizer) as scaled:
+            model.backward(scaled, *args, **kwargs)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        # apex's patched step refuses closures, so the closure (forward and backward) runs first.
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            return None  # backward was skipped: nothing to step
+        return optimizer.step(**kwargs)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> Iterator[torch.nn.Parameter]:
+        return self.amp.master_params(optimizer)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.amp.state_dict()) if self._initialized else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self._initialized:
+            self.amp.load_state_dict(state_dict)
+        else:
+            self._pending_state = dict(state_dict)
+
+
+class ApexDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy, but ``amp.initialize`` runs on the bare model before DDP wraps it.
+
+    Registered as ``ddp_apex``. With any precision plugin other than ``ApexAMP`` it behaves exactly
+    like ``ddp``.
+    """
+
+    strategy_name = "ddp_apex"
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        if not isinstance(self.precision_plugin, ApexAMP) or trainer.state.fn != TrainerFn.FITTING:
+            super().setup(trainer)
+            return
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        if self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model_to_device()
+        self.setup_optimizers(trainer)
+        model, optimizers = self.precision_plugin.initialize(self.model, self.optimizers)
+        self.model, self.optimizers = model, optimizers
+        self.configure_ddp()
+        self.setup_precision_plugin()  # the plugin is initialised already: this only attaches it
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="DDP with apex AMP initialised before wrapping", start_method="popen"
+        )
+
+
+if ApexDDPStrategy.strategy_name not in StrategyRegistry:
+    ApexDDPStrategy.register_strategies(StrategyRegistry)
+
+
+class StaticScaleGradScaler(torch.amp.GradScaler):
+    """A ``GradScaler`` whose scale never changes; steps with inf/NaN gradients are still skipped."""
+
+    def __init__(self, scale: float, device: str = "cuda") -> None:
+        super().__init__(device, init_scale=scale)
+        self.static_scale = float(scale)
+
+    @override
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        super().update(self.static_scale if new_scale is None else new_scale)
+
+
+class StaticScaleMixedPrecision(MixedPrecision):
+    """Native ``16-mixed`` with a fixed loss scale, like the reference's ``--loss-scale 128.0``.
+
+    Args:
+        loss_scale: The fixed scale the loss is multiplied by before backward.
+        device: The device type autocast runs on.
+    """
+
+    def __init__(self, loss_scale: float = 128.0, device: str = "cuda") -> None:
+        scale = _parse_loss_scale(loss_scale)
+        if not isinstance(scale, float):
+            raise ValueError(f"loss_scale must be a positive number. Got {loss_scale!r}")
+        super().__init__("16-mixed", device, scaler=StaticScaleGradScaler(scale, device))
+
+
+class KeepBatchNormHalfPrecision(HalfPrecision):
+    """Native ``16-true`` with batch norm layers kept in float32 (apex's O3 with keep_batchnorm_fp32)."""
+
+    def __init__(self) -> None:
+        super().__init__("16-true")
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        module = super().convert_module(module)
+        for m in module.modules():
+            if isinstance(m, _BatchNorm):
+                m.float()
+        return module
+
+
+@dataclass
+class AMPFlags:
+    """The reference's AMP flags, as ``--amp.*``: resolved to apex AMP or to the closest native precision.
+
+    Args:
+        opt_level: The reference's ``--opt-level`` (O0, O1, O2, O3). Unset: ``--trainer.precision`` decides.
+        keep_batchnorm_fp32: The reference's ``--keep-batchnorm-fp32``.
+        loss_scale: The reference's ``--loss-scale``: a number for a fixed scale, or ``dynamic``.
+        backend: ``auto`` uses apex when ``apex.amp`` can be imported and native AMP otherwise;
+            ``apex`` or ``native`` force one.
+    """
+
+    opt_level: OptLevel | None = None
+    keep_batchnorm_fp32: bool | None = None
+    loss_scale: float | Literal["dynamic"] | None = None
+    backend: Literal["auto", "apex", "native"] = "auto"
+
+
+@dataclass
+class AMPChoice:
+    """What ``resolve_amp`` chose: a precision flag or plugin for the Trainer, and a line saying so."""
+
+    precision: str | None
+    plugin: Precision | None
+    strategy: str | None
+    message: str
+
+
+def resolve_amp(
+    opt_level: OptLevel,
+    keep_batchnorm_fp32: bool | None = None,
+    loss_scale: float | str | None = None,
+    backend: Literal["auto", "apex", "native"] = "auto",
+    devices: int = 1,
+    device_type: str = "cuda",
+) -> AMPChoice:
+    """Maps the reference's AMP flags to apex AMP when it can be imported, or to the closest native setting.
+
+    Args:
+        opt_level: The reference's ``--opt-level``.
+        keep_batchnorm_fp32: The reference's ``--keep-batchnorm-fp32``.
+        loss_scale: The reference's ``--loss-scale``: a number or ``"dynamic"``.
+        backend: ``auto`` (apex if ``apex.amp`` imports, else native), ``apex`` or ``native``.
+        devices: Processes in the run; more than one with apex selects the ``ddp_apex`` strategy.
+        device_type: The device type, for native autocast.
+    """
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}. Got {opt_level!r}")
+    scale = _parse_loss_scale(loss_scale)
+    if backend in ("auto", "apex"):
+        try:
+            import_apex_amp()
+        except ImportError as err:
+            if backend == "apex":
+                raise
+            reason = str(err).split(";")[0]
+        else:
+            plugin = ApexAMP(opt_level, keep_batchnorm_fp32, scale)
+            strategy = "ddp_apex" if devices > 1 else None
+            message = f"AMP: apex amp {opt_level} ({_describe(keep_batchnorm_fp32, scale)})"
+            return AMPChoice(None, plugin, strategy, message)
+    else:
+        reason = "native AMP was asked for"
+    native = NATIVE_EQUIVALENT[opt_level]
+    note = f"AMP: native {native} for apex {opt_level} ({reason})"
+    if native == "16-mixed" and isinstance(scale, float):
+        plugin = StaticScaleMixedPrecision(scale, device_type)
+        return AMPChoice(None, plugin, None, f"{note}, static loss scale {scale:g}")
+    if native == "16-true" and keep_batchnorm_fp32:
+        return AMPChoice(None, KeepBatchNormHalfPrecision(), None, f"{note}, batch norm kept in float32")
+    if native == "16-mixed" and keep_batchnorm_fp32 is False:
+        note += "; autocast keeps batch norm in float32 regardless"
+    return AMPChoice(native, None, None, note)
+
+
+def _describe(keep_batchnorm_fp32: bool | None, loss_scale: float | str | None) -> str:
+    bn = "apex default" if keep_batchnorm_fp32 is None else str(keep_batchnorm_fp32)
+    scale = "apex default" if loss_scale is None else str(loss_scale)
+    return f"keep_batchnorm_fp32={bn}, loss_scale={scale}"

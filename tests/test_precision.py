@@ -1,0 +1,209 @@
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision
+
+from lit_imagenet.precision import (
+    ApexAMP,
+    KeepBatchNormHalfPrecision,
+    StaticScaleGradScaler,
+    StaticScaleMixedPrecision,
+    import_apex_amp,
+    resolve_amp,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+FAKE_APEX = Path(__file__).resolve().parent / "fake_apex"
+
+
+@pytest.fixture
+def no_apex(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_import = importlib.import_module
+
+    def fake_import(name: str, *args, **kwargs):
+        if name == "apex" or name.startswith("apex."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", fake_import)
+
+
+@pytest.fixture
+def fake_apex(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(FAKE_APEX))
+    for name in ("apex", "apex.amp"):
+        sys.modules.pop(name, None)
+    amp = importlib.import_module("apex.amp")
+    amp.calls.clear()
+    yield amp
+    for name in ("apex", "apex.amp"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize(
+    "opt_level, native", [("O0", "32-true"), ("O1", "16-mixed"), ("O2", "16-mixed"), ("O3", "16-true")]
+)
+def test_opt_levels_map_to_native_without_apex(no_apex, opt_level: str, native: str) -> None:
+    choice = resolve_amp(opt_level)
+    assert choice.precision == native and choice.plugin is None
+    assert f"native {native} for apex {opt_level}" in choice.message and "not installed" in choice.message
+
+
+def test_static_loss_scale_and_keep_batchnorm_map_to_native_plugins(no_apex) -> None:
+    choice = resolve_amp("O1", loss_scale=128.0, device_type="cpu")
+    assert isinstance(choice.plugin, StaticScaleMixedPrecision) and "static loss scale 128" in choice.message
+    choice = resolve_amp("O3", keep_batchnorm_fp32=True)
+    assert isinstance(choice.plugin, KeepBatchNormHalfPrecision)
+
+
+def test_missing_apex_names_the_native_equivalent(no_apex) -> None:
+    with pytest.raises(ImportError, match="not installed.*O1/O2 -> 16-mixed, O3 -> 16-true"):
+        ApexAMP("O1")
+    with pytest.raises(ImportError, match="not installed"):
+        resolve_amp("O2", backend="apex")
+
+
+def test_apex_without_amp_says_it_was_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / "apex"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("__version__ = '25.07'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("apex", "apex.amp"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(ImportError, match=r"version 25.07.*has no apex.amp \(removed in release 25.07"):
+        import_apex_amp()
+
+
+@pytest.mark.parametrize("bad", ["O4", "o1", ""])
+def test_unknown_opt_level_is_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="O0, O1, O2, O3"):
+        resolve_amp(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "big"])
+def test_bad_loss_scale_is_refused(no_apex, bad) -> None:
+    with pytest.raises(ValueError, match="positive number or 'dynamic'"):
+        resolve_amp("O1", loss_scale=bad)
+
+
+def test_static_scaler_keeps_its_scale_and_skips_inf_steps() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler = StaticScaleGradScaler(128.0, device="cpu")
+    for x, moved in ((torch.tensor([float("inf"), 0.0, 0.0]), False), (torch.ones(3), True)):
+        opt.zero_grad()
+        scaler.scale((param * x).sum()).backward()
+        before = param.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        assert scaler.get_scale() == 128.0
+        assert torch.equal(param.detach(), before - 1.0) is moved  # inf step skipped; finite step unscaled
+
+
+def test_keep_batchnorm_half_precision_leaves_batchnorm_in_float32() -> None:
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    KeepBatchNormHalfPrecision().convert_module(model)
+    assert model[0].weight.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+
+
+def test_apex_plugin_refuses_gradient_accumulation(fake_apex) -> None:
+    class Trainer:
+        accumulate_grad_batches = 4
+
+    model = torch.nn.Linear(2, 2)
+    model._trainer = Trainer()
+    with pytest.raises(ValueError, match="Gradient accumulation is not supported with apex AMP"):
+        ApexAMP("O1").initialize(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+
+
+def test_apex_plugin_state_waits_for_initialize(fake_apex) -> None:
+    plugin = ApexAMP("O2", keep_batchnorm_fp32=True, loss_scale="dynamic")
+    assert plugin.state_dict() == {}
+    plugin.load_state_dict({"loss_scaler0": {"loss_scale": 64.0, "unskipped": 7}})
+    model = torch.nn.Linear(2, 2)
+    plugin.initialize(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
+    assert plugin.state_dict() == {"loss_scaler0": {"loss_scale": 64.0, "unskipped": 7}}
+    assert fake_apex.calls[0][3] == {"opt_level": "O2", "verbosity": 0, "keep_batchnorm_fp32": True,
+                                     "loss_scale": "dynamic"}  # fmt: skip
+
+
+def _run(args: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env={**os.environ, **env})  # fmt: skip
+
+
+def _fit_args(root: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--data.root", str(root), "--data.batch_size", "6", "--data.workers", "0", "--data.crop_size", "32",
+        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.accelerator", "cpu",
+        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),
+        "--trainer.logger.init_args.save_dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_apex_under_ddp_initialises_before_wrapping_and_resumes_scaler_state(shapes_root: Path, tmp_path: Path) -> None:
+    """Two CPU processes, the apex stand-in: amp.initialize sees the bare model, the scaler state round-trips."""
+    env = {"PYTHONPATH": f"{FAKE_APEX}{os.pathsep}{REPO}", "FAKE_AMP_SCALE": "512.0"}
+    first = tmp_path / "first"
+    proc = _run(_fit_args(shapes_root, first, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                          "--trainer.max_epochs", "1", "--amp.opt_level", "O2"), tmp_path, env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AMP: apex amp O2" in proc.stderr + proc.stdout
+    last = next(first.rglob("last.ckpt"))
+    ckpt = torch.load(last, weights_only=True)
+    assert ckpt["ApexAMP"]["loss_scaler0"]["loss_scale"] == 512.0
+    assert ckpt["ApexAMP"]["loss_scaler0"]["unskipped"] == 2  # 24 images / 2 ranks / batch 6
+    second = tmp_path / "second"
+    env["FAKE_AMP_SCALE"] = "1.0"  # the resumed run must take the scale from the checkpoint
+    proc = _run(_fit_args(shapes_root, second, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                          "--trainer.max_epochs", "2", "--amp.opt_level", "O2", "--ckpt_path", str(last)),
+                tmp_path, env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(next(second.rglob("last.ckpt")), weights_only=True)
+    assert ckpt["ApexAMP"]["loss_scaler0"] == {"loss_scale": 512.0, "unskipped": 4}
+    assert ckpt["global_step"] == 4
+
+
+def test_opt_level_takes_the_place_of_the_precision_flag(shapes_root: Path, tmp_path: Path, no_apex) -> None:
+    from lit_imagenet.cli import main
+
+    args = _fit_args(shapes_root, tmp_path)[1:]
+    cli = main([*args, "--trainer.precision", "bf16-mixed", "--amp.opt_level", "O0"], run=False)
+    assert type(cli.trainer.precision_plugin).__name__ == "Precision"  # 32-true
+
+
+def test_unknown_opt_level_is_refused_by_the_cli(shapes_root: Path, tmp_path: Path) -> None:
+    from lit_imagenet.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*_fit_args(shapes_root, tmp_path)[1:], "--amp.opt_level", "O4"], run=False)
+    assert exc.value.code == 2
+
+
+def test_opt_level_falls_back_to_native_in_the_cli(shapes_root: Path, tmp_path: Path, no_apex, caplog) -> None:
+    from lit_imagenet.cli import main
+
+    args = _fit_args(shapes_root, tmp_path)[1:]  # no subcommand when only building the objects
+    cli = main([*args, "--amp.opt_level", "O3", "--amp.keep_batchnorm_fp32", "true"], run=False)
+    assert isinstance(cli.trainer.precision_plugin, KeepBatchNormHalfPrecision)
+    assert isinstance(cli.trainer.precision_plugin, HalfPrecision)
+    cli = main([*args, "--amp.opt_level", "O1", "--amp.loss_scale", "128"], run=False)
+    assert isinstance(cli.trainer.precision_plugin, MixedPrecision)
+    assert cli.trainer.precision_plugin.scaler.get_scale() == 128.0
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
+def test_cpu_capable_precisions_train(shapes_root: Path, tmp_path: Path, precision: str) -> None:
+    from lit_imagenet.cli import main
+
+    cli = main(_fit_args(shapes_root, tmp_path, "--trainer.precision", precision, "--trainer.max_steps", "3",
+                         "--trainer.limit_val_batches", "1"))  # fmt: skip
+    assert cli.trainer.global_step == 3
+    assert torch.isfinite(cli.trainer.callback_metrics["train/loss_step"])
+    json.dumps(float(cli.trainer.callback_metrics["train/loss_step"]))
