@@ -77,8 +77,8 @@ def main() -> None:
         first = run([*base, "--trainer.max_epochs", "1"], args.out / f"{name}-first.log")
         last = sorted(out.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
         second = run([*base, "--trainer.max_epochs", "3", "--ckpt_path", str(last)], args.out / f"{name}-resume.log")
-        final = sorted(out.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-1]
-        ckpt = torch.load(final, map_location="cpu", weights_only=True)
+        finals = [(torch.load(p, map_location="cpu", weights_only=True), p) for p in out.rglob("last*.ckpt")]
+        ckpt, final = max(finals, key=lambda c: c[0]["global_step"])
         epochs = [m.groups() for m in map(EPOCH_LINE.search, second.splitlines()) if m]
         epoch, rate, memory = epochs[-1]
         metrics = list(csv.DictReader(open(next(final.parent.parent.glob("metrics.csv")))))
