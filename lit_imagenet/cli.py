@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import lazy_instance
+from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import CSVLogger
 from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch, Throughput
+from lit_imagenet.checkpointing import (
+    CheckpointWriteError,
+    StepCheckpoint,
+    find_last_checkpoint,
+    use_atomic_checkpoint_io,
+)
 from lit_imagenet.data import DataError, ImageFolderDataModule
 from lit_imagenet.module import ImageClassifier
 
@@ -43,10 +51,30 @@ class ImageNetCLI(LightningCLI):
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
+        parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
         parser.add_lightning_class_args(Throughput, "throughput")
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        use_atomic_checkpoint_io(trainer)
+        return trainer
+
+    def before_fit(self) -> None:
+        # Each run logs into a new version folder, where Lightning's own "last" would find nothing:
+        # look in every version under the run's folders instead.
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        roots = {self.trainer.default_root_dir, *(lg.save_dir for lg in self.trainer.loggers if lg.save_dir)}
+        found = [p for p in (find_last_checkpoint(r) for r in sorted(roots)) if p is not None]
+        if found:
+            config["ckpt_path"] = max(found, key=lambda p: Path(p).stat().st_mtime_ns)
+            if self.trainer.is_global_zero:
+                print(f"Resuming from {config['ckpt_path']}", flush=True)
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -92,3 +120,6 @@ def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
     except DataError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except CheckpointWriteError as err:
+        print(f"error: {err.strerror}", file=sys.stderr, flush=True)
+        sys.exit(1)
