@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch, Throughput
@@ -120,6 +122,11 @@ def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
     except DataError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except SIGTERMException:
+        # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
+        # wrapper script or scheduler that the run did not finish.
+        print("Stopped by SIGTERM; resume with --ckpt_path last.", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM)
     except CheckpointWriteError as err:
         print(f"error: {err.strerror}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,38 @@ def test_disk_full_in_a_fit_is_one_line_and_exit_1(shapes_root: Path, tmp_path: 
     assert exc.value.code == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: No space left to write checkpoint") and ".ckpt" in err and "\n" not in err
+
+
+def _step(ckpt: Path) -> int:
+    return torch.load(ckpt, weights_only=True)["global_step"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # batches of 2: 12 steps per epoch; many epochs, so that the run is still going when the signal comes
+    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    deadline = time.monotonic() + 120
+    try:
+        while not (first / "last.ckpt").is_file():  # the end of epoch 0: the run is past its start-up
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Stopped by SIGTERM" in err
+    saved = _step(first / "last-step.ckpt")  # every_n_train_steps is 0: only the SIGTERM save writes it
+    assert saved >= 12
+
+    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_steps", str(saved + 2),
+                     "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last")  # fmt: skip
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout
+    assert _step(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt") == saved + 2
