@@ -11,7 +11,6 @@ from jsonargparse import lazy_instance
 from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -24,13 +23,14 @@ from lit_imagenet.checkpointing import (
 )
 from lit_imagenet.data import DataError, ImageFolderDataModule
 from lit_imagenet.module import ImageClassifier
+from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard, NonFiniteLossError, Profile, RunLogger, TrainingCurves
 
 
 def _trainer_defaults() -> dict[str, Any]:
     return {
         "default_root_dir": "runs",
         "max_epochs": 90,
-        "logger": lazy_instance(CSVLogger, save_dir="runs"),
+        "logger": lazy_instance(RunLogger, save_dir="runs"),
     }
 
 
@@ -58,6 +58,10 @@ class ImageNetCLI(LightningCLI):
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
         parser.add_lightning_class_args(Throughput, "throughput")
+        parser.add_lightning_class_args(NonFiniteGuard, "non_finite")
+        parser.add_lightning_class_args(ConsoleLog, "console")
+        parser.add_lightning_class_args(TrainingCurves, "curves")
+        parser.add_lightning_class_args(Profile, "profile")
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -129,4 +133,7 @@ def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
         sys.exit(128 + signal.SIGTERM)
     except CheckpointWriteError as err:
         print(f"error: {err.strerror}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
