@@ -111,7 +111,10 @@ class NonFiniteGuard(pl.Callback):
         if start < 0:
             return
         self._note_checkpoints(trainer)
-        good = [(s, p) for s, p in self._saved if s <= start and Path(p).is_file()]
+        latest: dict[str, int] = {}
+        for step, path in self._saved:  # a rolling file rewritten after the bad run began holds bad weights
+            latest[path] = max(step, latest.get(path, step))
+        good = [(s, p) for p, s in latest.items() if s <= start and Path(p).is_file()]
         where = (
             f"the last checkpoint before it is {max(good)[1]} (step {max(good)[0]}); resume with --ckpt_path PATH"
             if good

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
@@ -29,13 +30,19 @@ def _data(root: Path) -> ImageFolderDataModule:
     return ImageFolderDataModule(str(root), batch_size=8, workers=0, crop_size=32, val_resize=36)
 
 
-def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(shapes_root: Path, tmp_path) -> None:
-    # 3 batches per epoch; the loss is NaN from global step 4 (epoch 1) on; step checkpoints at steps 2, 4, ...
+@pytest.mark.parametrize(("check_every", "stop_step", "good_step"), [(1, 6, 4), (4, 6, 3)])
+def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(
+    shapes_root: Path, tmp_path, check_every: int, stop_step: int, good_step: int
+) -> None:
+    # 3 batches per epoch; the loss is NaN from global step 4 (epoch 1) on; step checkpoints at steps 2, 4, 6, ...
+    # Checking every 4 batches (and at epoch ends), last-step.ckpt is rewritten at step 6 with bad weights before
+    # the check: the epoch-end checkpoint of step 3 is named instead.
     model = _NaNFrom(4, arch="resnet18", num_classes=3, warmup_epochs=0)
-    guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=1)
+    guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=check_every)
+    ckpts = [StepCheckpoint(every_n_train_steps=2, dirpath=str(tmp_path)), ModelCheckpoint(dirpath=tmp_path)]
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=5, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
-        callbacks=[guard, StepCheckpoint(every_n_train_steps=2, dirpath=str(tmp_path / "ckpt"))],
+        callbacks=[guard, *ckpts],
     )  # fmt: skip
     with pytest.raises(NonFiniteLossError) as exc:
         trainer.fit(model, _data(shapes_root))
@@ -43,9 +50,9 @@ def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(sha
     assert "2 consecutive batches from global step 4" in message
     named = Path(message.split("the last checkpoint before it is ")[1].split(" (step")[0])
     ckpt = torch.load(named, weights_only=True)
-    assert ckpt["global_step"] <= 4
+    assert ckpt["global_step"] == good_step and f"(step {good_step})" in message
     assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
-    assert trainer.global_step == 6  # stopped at the check after the second bad batch
+    assert trainer.global_step == stop_step  # the first check after the second bad batch (or the epoch end)
 
 
 def test_isolated_non_finite_losses_do_not_stop_the_run(shapes_root: Path, tmp_path) -> None:
