@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+import signal
 import sys
+from pathlib import Path
 from typing import Any
 
-import pytorch_lightning as pl
 import torch
 from jsonargparse import lazy_instance
+from pytorch_lightning import Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch, Throughput
+from lit_imagenet.checkpointing import (
+    CheckpointWriteError,
+    StepCheckpoint,
+    find_last_checkpoint,
+    use_atomic_checkpoint_io,
+)
 from lit_imagenet.data import ImageFolderDataModule
 from lit_imagenet.errors import ConfigError, UserError
 from lit_imagenet.module import ImageClassifier
+from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard, NonFiniteLossError, Profile, RunLogger, TrainingCurves
 from lit_imagenet.precision import AMPFlags, ApexDDPStrategy, resolve_amp
 
 
@@ -25,7 +34,7 @@ def _trainer_defaults() -> dict[str, Any]:
     return {
         "default_root_dir": "runs",
         "max_epochs": 90,
-        "logger": lazy_instance(CSVLogger, save_dir="runs"),
+        "logger": lazy_instance(RunLogger, save_dir="runs"),
     }
 
 
@@ -48,20 +57,40 @@ class ImageNetCLI(LightningCLI):
                 "checkpoint.auto_insert_metric_name": False,
             }
         )
+        parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
         parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
         parser.set_defaults({"lr_monitor.logging_interval": "step"})
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
         parser.add_lightning_class_args(Throughput, "throughput")
+        parser.add_lightning_class_args(NonFiniteGuard, "non_finite")
+        parser.add_lightning_class_args(ConsoleLog, "console")
+        parser.add_lightning_class_args(TrainingCurves, "curves")
+        parser.add_lightning_class_args(Profile, "profile")
         parser.add_class_arguments(AMPFlags, "amp")
 
     @override
-    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer_config = dict(self._get(self.config_init, "trainer", default={}))
         amp = self._get(self.config_init, "amp")
         if amp is not None and amp.opt_level is not None:
             kwargs.update(_amp_trainer_kwargs(amp, {**trainer_config, **kwargs}))
         _check_bf16({**trainer_config, **kwargs})
-        return super().instantiate_trainer(**kwargs)
+        trainer = super().instantiate_trainer(**kwargs)
+        use_atomic_checkpoint_io(trainer)
+        return trainer
+
+    def before_fit(self) -> None:
+        # Each run logs into a new version folder, where Lightning's own "last" would find nothing:
+        # look in every version under the run's folders instead.
+        config = self.config_init[self.subcommand]
+        if config.get("ckpt_path") != "last":
+            return
+        roots = {self.trainer.default_root_dir, *(lg.save_dir for lg in self.trainer.loggers if lg.save_dir)}
+        found = [p for p in (find_last_checkpoint(r) for r in sorted(roots)) if p is not None]
+        if found:
+            config["ckpt_path"] = max(found, key=lambda p: Path(p).stat().st_mtime_ns)
+            if self.trainer.is_global_zero:
+                print(f"Resuming from {config['ckpt_path']}", flush=True)
 
     def after_fit(self) -> None:
         trainer = self.trainer
@@ -165,3 +194,14 @@ def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except SIGTERMException:
+        # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
+        # wrapper script or scheduler that the run did not finish.
+        print("Stopped by SIGTERM; resume with --ckpt_path last.", file=sys.stderr, flush=True)
+        sys.exit(128 + signal.SIGTERM)
+    except CheckpointWriteError as err:
+        print(f"error: {err.strerror}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)

@@ -1,0 +1,150 @@
+"""Checkpoints for long runs: atomic writes, rolling step checkpoints, a save on pre-emption.
+
+``AtomicCheckpointIO`` writes each checkpoint to a temporary file in the target folder, fsyncs it
+and renames it over the target, so a crash, a kill or a full disk during the write leaves the
+previous checkpoint intact. ``StepCheckpoint`` saves ``last-step.ckpt`` every N optimizer steps and
+when the process receives SIGTERM (Lightning turns SIGTERM into ``SIGTERMException`` at the end of
+the current batch; this callback saves before the process exits). ``--ckpt_path last`` picks the
+newest ``last*.ckpt`` of a run; ``find_last_checkpoint`` extends that to every version of the logs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.types import _PATH
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written; the message names the file, and the previous one is kept."""
+
+
+def _fsync_dir(folder: str) -> None:
+    # The rename is durable only once the directory entry is on disk; not every system allows this.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Saves checkpoints all-or-nothing on local disks: temporary file, fsync, ``os.replace``.
+
+    Lightning's own writer opens the target and writes into it, so a process killed mid-write, or a
+    full disk, leaves a truncated file under the checkpoint's name. Here the bytes go to a hidden
+    ``.NAME.XXXX.tmp`` in the same folder (same file system, so the rename is atomic); the target
+    is replaced only once the whole file is on disk. Remote paths (``s3://`` ...) use Lightning's
+    writer.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
+                f" is not supported for `{self.__class__.__name__}`. Please implement your custom `CheckpointIO`"
+                " to define how you'd like to use `storage_options`."
+            )
+        if "://" in str(path) and not str(path).startswith("file://"):
+            super().save_checkpoint(checkpoint, path)
+            return
+        path = os.path.abspath(os.fspath(path))
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as err:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CheckpointWriteError(
+                    err.errno,
+                    f"No space left to write checkpoint {path} ({os.strerror(err.errno)}); the previous checkpoint "
+                    "there is kept. Free disk space or point --trainer.default_root_dir at a larger disk, then resume.",
+                ) from None
+            raise
+        _fsync_dir(folder)
+
+
+def use_atomic_checkpoint_io(trainer: pl.Trainer) -> None:
+    """Makes the trainer's strategy write checkpoints with ``AtomicCheckpointIO``.
+
+    Only Lightning's default writer is replaced: a ``CheckpointIO`` given with ``--trainer.plugins``
+    (an async or remote writer, say) is left as it is.
+    """
+    if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Saves ``last-step.ckpt`` every ``every_n_train_steps`` optimizer steps, and on SIGTERM.
+
+    The file is overwritten each time (it is the rolling "where was I" of a long run, next to the
+    best and ``last`` checkpoints of the ``checkpoint`` callback); ``--ckpt_path last`` resumes from
+    whichever of them is newest, mid-epoch included.
+
+    Args:
+        every_n_train_steps: Save every this many optimizer steps; 0 saves only on SIGTERM.
+        save_on_sigterm: Save when the process gets SIGTERM (pre-emption, ``scancel``, a cluster's
+            time limit) before it exits.
+        dirpath: Folder of the checkpoint; ``None``: the ``checkpoints`` folder of the run's logs.
+    """
+
+    CHECKPOINT_NAME_LAST = "last-step"
+
+    def __init__(self, every_n_train_steps: int = 0, save_on_sigterm: bool = True, dirpath: str | None = None) -> None:
+        if every_n_train_steps < 0:
+            raise ValueError(f"every_n_train_steps must not be negative. Got {every_n_train_steps}")
+        super().__init__(
+            dirpath=dirpath,
+            monitor=None,
+            save_top_k=0,
+            save_last=True,
+            every_n_train_steps=every_n_train_steps,
+            enable_version_counter=False,
+        )
+        self.save_on_sigterm = save_on_sigterm
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if not (self.save_on_sigterm and isinstance(exception, SIGTERMException)):
+            return
+        if trainer.sanity_checking or trainer.global_step == 0:
+            return
+        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        rank_zero_info(f"SIGTERM: saved {self.last_model_path} at step {trainer.global_step}.")
+
+
+def find_last_checkpoint(root: _PATH) -> str | None:
+    """The newest ``last*.ckpt`` under ``root`` (every logger version of a run), or ``None``."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found = [p for p in root.rglob("last*.ckpt") if p.is_file()]
+    if not found:
+        return None
+    return str(max(found, key=lambda p: p.stat().st_mtime_ns))

@@ -1,0 +1,431 @@
+"""Watching a long run: a non-finite loss guard, console lines, logs, curves and profiling windows.
+
+None of these reads a value back from the GPU on the steps between two log steps: what they
+accumulate stays on the device, and they look at it every ``log_every_n_steps`` batches, when
+Lightning synchronises anyway to write its logs.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss was NaN or infinite for too many consecutive batches."""
+
+
+def _sync(pl_module: pl.LightningModule) -> None:
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
+
+
+class NonFiniteGuard(pl.Callback):
+    """Stops the run when the loss has been NaN or infinite for ``max_consecutive`` batches in a row.
+
+    With fp16 dynamic loss scaling an occasional overflow is normal (the scaler skips that step), so
+    one bad batch is not an error; a long run of them means the weights or the data went bad. The
+    count is kept on the device and read only every ``check_every_n_steps`` batches (by default
+    ``log_every_n_steps``), so the guard adds no host-device synchronisation in between; the price
+    is that the run stops up to that many batches after the limit was reached. The error names the
+    global step where the bad run began and the newest checkpoint saved before it.
+
+    Args:
+        max_consecutive: Consecutive non-finite losses that stop the run.
+        check_every_n_steps: Read the count every this many batches; ``None``: ``log_every_n_steps``.
+    """
+
+    def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
+        if max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be at least 1. Got {max_consecutive}")
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
+        self.max_consecutive = max_consecutive
+        self.check_every_n_steps = check_every_n_steps
+        self._consecutive: Tensor | None = None
+        self._run_start: Tensor | None = None
+        self._tripped_at: Tensor | None = None
+        self._batches = 0
+        self._saved: list[tuple[int, str]] = []
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = pl_module.device
+        self._consecutive = torch.zeros((), dtype=torch.int64, device=device)
+        self._run_start = torch.full((), -1, dtype=torch.int64, device=device)
+        self._tripped_at = torch.full((), -1, dtype=torch.int64, device=device)
+        self._batches = 0
+        self._saved = []
+
+    def _note_checkpoints(self, trainer: pl.Trainer) -> None:
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb._last_checkpoint_saved:
+                entry = (int(cb._last_global_step_saved), cb._last_checkpoint_saved)
+                if entry not in self._saved:
+                    self._saved.append(entry)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._note_checkpoints(trainer)  # host-side attributes only: saves happen at batch ends
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor) or self._consecutive is None:
+            return
+        bad = ~torch.isfinite(loss.detach())
+        # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
+        step = trainer.global_step - (0 if trainer.fit_loop.epoch_loop._should_accumulate() else 1)
+        self._run_start = torch.where(bad & (self._consecutive == 0), step, self._run_start)
+        self._consecutive = torch.where(bad, self._consecutive + 1, 0)
+        trips = (self._consecutive >= self.max_consecutive) & (self._tripped_at < 0)
+        self._tripped_at = torch.where(trips, self._run_start, self._tripped_at)
+        self._batches += 1
+        every = self.check_every_n_steps or trainer.log_every_n_steps
+        if self._batches % every == 0:
+            self._check(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._tripped_at is not None:
+            self._check(trainer)
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        assert self._tripped_at is not None
+        start = int(self._tripped_at.item())
+        if start < 0:
+            return
+        self._note_checkpoints(trainer)
+        latest: dict[str, int] = {}
+        for step, path in self._saved:  # a rolling file rewritten after the bad run began holds bad weights
+            latest[path] = max(step, latest.get(path, step))
+        good = [(s, p) for p, s in latest.items() if s <= start and Path(p).is_file()]
+        where = (
+            f"the last checkpoint before it is {max(good)[1]} (step {max(good)[0]}); resume with --ckpt_path PATH"
+            if good
+            else "no checkpoint was saved before it"
+        )
+        raise NonFiniteLossError(
+            f"The training loss was NaN or infinite for {self.max_consecutive} consecutive batches from global step "
+            f"{start}; {where}, and lower the learning rate or check the data."
+        )
+
+
+class ConsoleLog(pl.Callback):
+    """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
+
+    ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
+    time per batch and images per second (over all processes) since the previous line, and the
+    loss, top-1 and top-5 of the current batch. The GPU is synchronised only on those steps.
+
+    Args:
+        enabled: Set to ``False`` for no lines (the progress bar stays).
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.lines: list[str] = []
+        self._start = 0.0
+        self._images = 0
+        self._batches = 0
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _sync(pl_module)
+        self._start, self._images, self._batches = time.perf_counter(), 0, 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.enabled:
+            return
+        self._images += int(batch[0].shape[0]) * trainer.world_size
+        self._batches += 1
+        if (batch_idx + 1) % trainer.log_every_n_steps != 0:
+            return
+        _sync(pl_module)
+        now = time.perf_counter()
+        seconds = max(now - self._start, 1e-9)
+        metrics = trainer.callback_metrics
+        total = trainer.num_training_batches
+        shown = [f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"]
+        shown[0] += f" step {trainer.global_step}"
+        shown.append(f"{seconds / self._batches:.3f} s/step")
+        shown.append(f"{self._images / seconds:,.0f} images/s")
+        for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
+            if key in metrics:
+                shown.append(f"{name} {float(metrics[key]):.4f}")
+        line = " | ".join(shown)
+        self._start, self._images, self._batches = now, 0, 0
+        if trainer.is_global_zero:
+            self.lines.append(line)
+            bar = trainer.progress_bar_callback
+            if bar is not None and bar.is_enabled and hasattr(bar, "print"):
+                bar.print(line)
+            else:
+                print(line, flush=True)
+
+
+class RunLogger(CSVLogger):
+    """A ``CSVLogger`` that also writes TensorBoard event files into the same version folder.
+
+    ``metrics.csv``, ``hparams.yaml`` and ``events.out.tfevents.*`` end up side by side in
+    ``save_dir/name/version_N``: ``tensorboard --logdir runs`` and a spreadsheet read the same run.
+
+    Args:
+        save_dir: Folder of the logs.
+        name: Sub-folder of the run's versions.
+        version: Version number or folder name; ``None``: the next free ``version_N``.
+        prefix: Prefix of every metric name.
+        flush_logs_every_n_steps: Write ``metrics.csv`` every this many steps.
+        tensorboard: Set to ``False`` for the CSV file only.
+    """
+
+    def __init__(
+        self,
+        save_dir: str = "runs",
+        name: str = "lightning_logs",
+        version: int | str | None = None,
+        prefix: str = "",
+        flush_logs_every_n_steps: int = 100,
+        tensorboard: bool = True,
+    ) -> None:
+        super().__init__(save_dir, name, version, prefix, flush_logs_every_n_steps)
+        self.tensorboard = tensorboard
+        self._tb: TensorBoardLogger | None = None
+
+    @property
+    def tb(self) -> TensorBoardLogger | None:
+        """The TensorBoard logger writing into this logger's version folder (``None`` when off)."""
+        if self.tensorboard and self._tb is None:
+            self._tb = TensorBoardLogger(
+                self.save_dir, name=self.name, version=self.version, prefix=self._prefix, default_hp_metric=False
+            )
+        return self._tb if self.tensorboard else None
+
+    @override
+    @rank_zero_only
+    def log_hyperparams(self, params: Any = None) -> None:
+        super().log_hyperparams(params)
+        if self.tb is not None:
+            self.tb.log_hyperparams(params)
+
+    @override
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        super().log_metrics(metrics, step)
+        if self.tb is not None:
+            self.tb.log_metrics(metrics, step)
+
+    @override
+    @rank_zero_only
+    def save(self) -> None:
+        super().save()
+        if self._tb is not None:
+            self._tb.experiment.flush()
+
+    @override
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._tb is not None:
+            self._tb.finalize(status)
+
+
+_CURVES = (
+    ("loss", ("train/loss_step", "val/loss")),
+    ("top-1", ("train/top1_step", "val/top1")),
+    ("top-5", ("train/top5_step", "val/top5")),
+    ("learning rate", ("lr-SGD",)),
+    ("images/s", ("train/images_per_sec",)),
+)
+
+
+def plot_curves(metrics_csv: str | Path, out: str | Path) -> Path:
+    """Draws loss, top-1, top-5, learning rate and images/s against the step from a ``metrics.csv``."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global backend to switch
+    from matplotlib.figure import Figure
+
+    series: dict[str, list[tuple[float, float]]] = {}
+    with open(metrics_csv, newline="") as f:
+        for row in csv.DictReader(f):
+            step = row.get("step")
+            if not step:
+                continue
+            for key, value in row.items():
+                if key != "step" and value:
+                    series.setdefault(key, []).append((float(step), float(value)))
+    fig = Figure(figsize=(4 * len(_CURVES), 3.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    for ax, (title, keys) in zip(fig.subplots(1, len(_CURVES)), _CURVES):
+        for key in keys:
+            points = series.get(key) or next((v for k, v in series.items() if k.startswith(key)), [])
+            if points:
+                ax.plot(*zip(*points), label=key, marker="." if key.startswith("val/") else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize="small")
+    out = Path(out)
+    fig.savefig(out, dpi=80)
+    return out
+
+
+class TrainingCurves(pl.Callback):
+    """At the end of ``fit``, saves ``training_curves.png`` (loss, top-1, top-5, LR, images/s) next to ``metrics.csv``.
+
+    Args:
+        enabled: Set to ``False`` for no picture.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.path: Path | None = None
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not (self.enabled and trainer.is_global_zero):
+            return
+        logger = next((lg for lg in trainer.loggers if isinstance(lg, CSVLogger)), None)
+        if logger is None:
+            return
+        logger.save()
+        metrics = Path(logger.experiment.metrics_file_path)
+        if metrics.is_file():
+            self.path = plot_curves(metrics, Path(logger.log_dir) / "training_curves.png")
+            rank_zero_info(f"Training curves: {self.path}")
+
+
+class Profile(pl.Callback):
+    """The reference's ``--prof N``: profile ``steps`` training batches from batch ``start_step``, then stop.
+
+    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler
+    is started for the window (``nsys profile --capture-range=cudaProfilerApi python train.py ...``
+    records just that). With ``torch_trace`` the PyTorch profiler records the same window (CPU and,
+    on CUDA, GPU activity) to ``trace.json`` in the log folder, for chrome://tracing or Perfetto.
+    The run ends after the window. On CPU the NVTX ranges and CUDA profiler are skipped.
+
+    Args:
+        start_step: First profiled batch of the run (from 0); -1 turns profiling off.
+        steps: Number of profiled batches.
+        torch_trace: Also record a PyTorch profiler trace of the window.
+    """
+
+    def __init__(self, start_step: int = -1, steps: int = 10, torch_trace: bool = False) -> None:
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1. Got {steps}")
+        self.start_step = start_step
+        self.steps = steps
+        self.torch_trace = torch_trace
+        self.trace_path: Path | None = None
+        self._batch = 0
+        self._cuda = False
+        self._active = False
+        self._in_optimizer_step = False
+        self._profiler: torch.profiler.profile | None = None
+        self._hooks: list[Any] = []
+
+    def _push(self, name: str) -> None:
+        if self._active and self._cuda:
+            torch.cuda.nvtx.range_push(name)
+
+    def _pop(self) -> None:
+        if self._active and self._cuda:
+            torch.cuda.nvtx.range_pop()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batch = 0
+        self._cuda = pl_module.device.type == "cuda"
+        if self.start_step >= 0 and self._cuda:
+            self._hooks = [
+                pl_module.register_forward_pre_hook(lambda *_: self._push("forward")),
+                pl_module.register_forward_hook(lambda *_: self._pop()),
+            ]
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.start_step < 0 or self._batch != self.start_step:
+            self._push(f"step {self._batch}")
+            return
+        self._active = True
+        if self._cuda:
+            torch.cuda.profiler.start()
+        if self.torch_trace:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self._cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.start()
+        self._push(f"step {self._batch}")
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._push("backward")
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._pop()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._push("optimizer step")
+        self._in_optimizer_step = self._active and self._cuda
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._in_optimizer_step:  # no hook follows the optimizer step: its range ends with the batch
+            self._pop()
+            self._in_optimizer_step = False
+        self._pop()
+        self._batch += 1
+        if self._active and self._batch >= self.start_step + self.steps:
+            self._stop(trainer)
+            trainer.should_stop = True
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        self._active = False
+        if self._cuda:
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+        if self._profiler is not None:
+            self._profiler.stop()
+            folder = Path(trainer.log_dir or trainer.default_root_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.trace_path = folder / (
+                f"trace-rank{trainer.global_rank}.json" if trainer.world_size > 1 else "trace.json"
+            )
+            self._profiler.export_chrome_trace(str(self.trace_path))
+            self._profiler = None
+            rank_zero_info(f"Profiler trace: {self.trace_path}")
+        rank_zero_info(f"Profiled batches {self.start_step} to {self.start_step + self.steps - 1}; stopping the run.")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._stop(trainer)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,166 @@
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+
+from lit_imagenet.checkpointing import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
+from lit_imagenet.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _half_then(error: BaseException):
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs) -> None:
+        import io
+
+        buffer = io.BytesIO()
+        real_save(obj, buffer)
+        f.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        raise error
+
+    return save
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1, "w": torch.ones(1000)}, path)
+    monkeypatch.setattr(torch, "save", _half_then(RuntimeError("killed mid-write")))
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert os.listdir(tmp_path) == ["last.ckpt"]  # no temporary file left behind
+
+
+def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    io = AtomicCheckpointIO()
+    path = tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 1}, path)
+    monkeypatch.setattr(torch, "save", _half_then(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(CheckpointWriteError) as exc:
+        io.save_checkpoint({"global_step": 2, "w": torch.zeros(1000)}, path)
+    assert str(path) in exc.value.strerror and "previous checkpoint" in exc.value.strerror
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+    assert os.listdir(tmp_path) == ["last.ckpt"]
+
+
+_KILLED_WRITER = """
+import sys, time, torch
+from lit_imagenet.checkpointing import AtomicCheckpointIO
+io, path = AtomicCheckpointIO(), sys.argv[1]
+io.save_checkpoint({"global_step": 1}, path)
+def stuck(obj, f, *a, **k):
+    f.write(b"x" * 100_000); f.flush()
+    print("writing", flush=True)
+    time.sleep(600)
+torch.save = stuck
+io.save_checkpoint({"global_step": 2}, path)
+"""
+
+
+def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert torch.load(path, weights_only=True)["global_step"] == 1
+
+
+def test_default_writer_is_replaced_but_a_users_is_kept(tmp_path: Path) -> None:
+    trainer = pl.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path)
+    use_atomic_checkpoint_io(trainer)
+    assert type(trainer.strategy.checkpoint_io) is AtomicCheckpointIO
+
+    class Mine(TorchCheckpointIO):
+        pass
+
+    trainer = pl.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, plugins=[Mine()])
+    use_atomic_checkpoint_io(trainer)
+    assert type(trainer.strategy.checkpoint_io) is Mine
+
+
+def _fit_args(root: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "fit", "--data.root", str(root), "--data.batch_size", "8", "--data.workers", "0", "--data.crop_size", "32",
+        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.accelerator", "cpu",
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out), *extra,
+    ]  # fmt: skip
+
+
+def test_step_checkpoints_and_resume_from_last(shapes_root: Path, tmp_path: Path, capsys) -> None:
+    # 24 training images in batches of 8: 3 steps per epoch; a step checkpoint every 2 steps
+    cli = main(
+        _fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1", "--step_checkpoint.every_n_train_steps", "2")
+    )
+    assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    step_ckpt = Path(cli.trainer.log_dir) / "checkpoints" / "last-step.ckpt"
+    assert torch.load(step_ckpt, weights_only=True)["global_step"] == 2
+    assert (Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt").is_file()
+    capsys.readouterr()
+    # mid-epoch: resume from the step checkpoint (make it the newest) and finish a second epoch
+    os.utime(step_ckpt)
+    cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last"))
+    assert f"Resuming from {step_ckpt}" in capsys.readouterr().out
+    assert cli.trainer.global_step == 6 and cli.trainer.current_epoch == 2
+
+
+def test_disk_full_in_a_fit_is_one_line_and_exit_1(shapes_root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(torch, "save", _half_then(OSError(errno.ENOSPC, "No space left on device")))
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0"))
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: No space left to write checkpoint") and ".ckpt" in err and "\n" not in err
+
+
+def _step(ckpt: Path) -> int:
+    return torch.load(ckpt, weights_only=True)["global_step"]
+
+
+def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # batches of 2: 12 steps per epoch; many epochs, so that the run is still going when the signal comes
+    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000")
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    first = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    deadline = time.monotonic() + 120
+    try:
+        while not (first / "last.ckpt").is_file():  # the end of epoch 0: the run is past its start-up
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint after 120 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Stopped by SIGTERM" in err
+    saved = _step(first / "last-step.ckpt")  # every_n_train_steps is 0: only the SIGTERM save writes it
+    assert saved >= 12
+
+    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_steps", str(saved + 2),
+                     "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last")  # fmt: skip
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout
+    assert _step(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt") == saved + 2

@@ -1,0 +1,112 @@
+import json
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+
+from lit_imagenet import ImageClassifier, ImageFolderDataModule
+from lit_imagenet.checkpointing import StepCheckpoint
+from lit_imagenet.cli import main
+from lit_imagenet.monitoring import NonFiniteGuard, NonFiniteLossError, Profile
+from tests.test_checkpointing import _fit_args
+
+
+class _NaNFrom(ImageClassifier):
+    """Its loss turns NaN from global step ``bad_from`` on, as after a blow-up."""
+
+    def __init__(self, bad_from: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bad_from = bad_from
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step >= self.bad_from else loss
+
+
+def _data(root: Path) -> ImageFolderDataModule:
+    return ImageFolderDataModule(str(root), batch_size=8, workers=0, crop_size=32, val_resize=36)
+
+
+@pytest.mark.parametrize(("check_every", "stop_step", "good_step"), [(1, 6, 4), (4, 6, 3)])
+def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(
+    shapes_root: Path, tmp_path, check_every: int, stop_step: int, good_step: int
+) -> None:
+    # 3 batches per epoch; the loss is NaN from global step 4 (epoch 1) on; step checkpoints at steps 2, 4, 6, ...
+    # Checking every 4 batches (and at epoch ends), last-step.ckpt is rewritten at step 6 with bad weights before
+    # the check: the epoch-end checkpoint of step 3 is named instead.
+    model = _NaNFrom(4, arch="resnet18", num_classes=3, warmup_epochs=0)
+    guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=check_every)
+    ckpts = [StepCheckpoint(every_n_train_steps=2, dirpath=str(tmp_path)), ModelCheckpoint(dirpath=tmp_path)]
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=5, default_root_dir=tmp_path, logger=False, enable_progress_bar=False,
+        callbacks=[guard, *ckpts],
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLossError) as exc:
+        trainer.fit(model, _data(shapes_root))
+    message = str(exc.value)
+    assert "2 consecutive batches from global step 4" in message
+    named = Path(message.split("the last checkpoint before it is ")[1].split(" (step")[0])
+    ckpt = torch.load(named, weights_only=True)
+    assert ckpt["global_step"] == good_step and f"(step {good_step})" in message
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    assert trainer.global_step == stop_step  # the first check after the second bad batch (or the epoch end)
+
+
+def test_isolated_non_finite_losses_do_not_stop_the_run(shapes_root: Path, tmp_path) -> None:
+    class _OneBad(ImageClassifier):
+        # A NaN loss whose gradient is finite, as when fp16 loss scaling overflows once and recovers
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss + float("nan") * loss.detach() if self.global_step in (1, 4) else loss
+
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        callbacks=[NonFiniteGuard(max_consecutive=2, check_every_n_steps=3)], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(_OneBad("resnet18", 3), _data(shapes_root))
+    assert trainer.global_step == 6
+
+
+def test_console_lines_loggers_and_curves(shapes_root: Path, tmp_path: Path, capsys) -> None:
+    cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch ")]
+    assert len(lines) == 6 and lines[0].startswith("Epoch 0 [1/3] step 1 | ")
+    assert all(" s/step | " in line and " images/s | loss " in line and "| top1 " in line for line in lines)
+    log_dir = Path(cli.trainer.log_dir)
+    assert (log_dir / "metrics.csv").is_file() and list(log_dir.glob("events.out.tfevents.*"))
+    png = log_dir / "training_curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_profile_window_ends_the_run_and_writes_a_trace(shapes_root: Path, tmp_path: Path) -> None:
+    model = ImageClassifier("resnet18", num_classes=3)
+    profile = Profile(start_step=2, steps=3, torch_trace=True)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=5, logger=CSVLogger(tmp_path), enable_progress_bar=False,
+        enable_checkpointing=False, limit_val_batches=0, callbacks=[profile],
+    )  # fmt: skip
+    trainer.fit(model, _data(shapes_root))
+    assert trainer.global_step == 5  # batches 0-1, then the 3 profiled ones
+    assert profile.trace_path == Path(trainer.log_dir) / "trace.json"
+    events = json.loads(profile.trace_path.read_text())["traceEvents"]
+    assert any("conv" in str(e.get("name", "")).lower() for e in events)
+
+
+@pytest.fixture
+def restore_determinism():
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_deterministic_runs_give_identical_weights(shapes_root: Path, tmp_path: Path, restore_determinism) -> None:
+    def fit(seed: int, out: str) -> dict[str, torch.Tensor]:
+        args = _fit_args(shapes_root, tmp_path / out, "--trainer.max_epochs", "1", "--data.workers", "1",
+                         "--trainer.deterministic", "true", "--seed_everything", str(seed))  # fmt: skip
+        return main(args).model.state_dict()
+
+    first, second, other = fit(1, "a"), fit(1, "b"), fit(2, "c")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert not all(torch.equal(first[k], other[k]) for k in first)
