@@ -31,6 +31,8 @@ SETTINGS = {
     "16-mixed": ["--trainer.precision", "16-mixed"],
     "bf16-mixed": ["--trainer.precision", "bf16-mixed"],
     "O1-native": ["--amp.opt_level", "O1", "--amp.backend", "native", "--amp.loss_scale", "128"],
+    "O2-syncbn": ["--amp.opt_level", "O2", "--amp.backend", "apex", "--trainer.sync_batchnorm", "true"],
+    "16-mixed-syncbn": ["--trainer.precision", "16-mixed", "--trainer.sync_batchnorm", "true"],
 }
 EPOCH_LINE = re.compile(r"Epoch (\d+): ([\d,]+) images/s .*?(?:peak GPU memory ([\d.]+) GiB)?$")
 
