@@ -1,12 +1,17 @@
-"""Callbacks: the GPU prefetcher's switch, and a throughput meter."""
+"""Callbacks: the GPU prefetcher's switch, a throughput meter, and the writer of predictions to CSV."""
 
 from __future__ import annotations
 
+import csv
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -101,3 +106,91 @@ class Throughput(pl.Callback):
             f"Epoch {trainer.current_epoch}: {record['images_per_sec']:,.0f} images/s over all processes "
             f"({self._epoch_images:,} images in {seconds:.1f} s){memory}"
         )
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes the top classes of every predicted image to a CSV file, one row per image in file order.
+
+    The columns are ``path``, then ``class_1``, ``prob_1``, ... ``class_k``, ``prob_k`` (``k`` is
+    ``top_k`` capped at the number of classes), most probable first. The model's ``predict_step``
+    returns ``{"probs": (N, classes), "index": (N,)}``, where ``index`` is the position of each image
+    in the data module's ``samples("predict")``; class names come from the model's ``class_names``
+    (stored in its checkpoints), or are the class indices when it has none.
+
+    Under DDP each process keeps the rows of its own images and rank 0 gathers them all
+    (``torch.distributed.all_gather_object``) and writes the one file, so no shared disk is needed.
+
+    Args:
+        output: The CSV file to write. ``None``: ``predictions.csv`` in the trainer's log folder,
+            or in the working directory when there is no logger.
+        top_k: How many of the most probable classes to write per image.
+    """
+
+    def __init__(self, output: str | None = None, top_k: int = 5) -> None:
+        super().__init__(write_interval="batch")
+        if top_k < 1:
+            raise ValueError(f"top_k must be at least 1. Got {top_k}")
+        self.output = output
+        self.top_k = top_k
+        self._rows: list[tuple[int, list[int], list[float]]] = []
+        #: Where the last prediction run wrote its CSV (set on rank 0).
+        self.path: Path | None = None
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._rows = []
+
+    @override
+    def write_on_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: Any,
+        batch_indices: Sequence[int] | None,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        if not isinstance(prediction, dict) or "probs" not in prediction or "index" not in prediction:
+            raise ValueError("PredictionWriter needs predict_step to return {'probs': ..., 'index': ...}.")
+        probs = prediction["probs"].detach().float().cpu()
+        values, classes = probs.topk(min(self.top_k, probs.shape[1]), dim=1)
+        for index, cls, val in zip(prediction["index"].tolist(), classes.tolist(), values.tolist()):
+            self._rows.append((int(index), cls, val))
+
+    def _gathered_rows(self, trainer: pl.Trainer) -> list[tuple[int, list[int], list[float]]]:
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return self._rows
+        parts: list[Any] = [None] * trainer.world_size
+        dist.all_gather_object(parts, self._rows)
+        return [row for part in parts for row in part]
+
+    def _default_path(self, trainer: pl.Trainer) -> Path:
+        folder = trainer.log_dir if trainer.logger is not None and trainer.log_dir else "."
+        return Path(folder) / "predictions.csv"
+
+    @override
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        rows = sorted(self._gathered_rows(trainer))
+        self._rows = []
+        if not trainer.is_global_zero:
+            return
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "samples"):
+            raise ValueError("PredictionWriter needs a data module with samples('predict') to name the files.")
+        samples = datamodule.samples("predict")
+        names = getattr(pl_module.hparams, "class_names", None) or None
+        path = Path(self.output) if self.output is not None else self._default_path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        k = len(rows[0][1]) if rows else 0
+        header = ["path"] + [col for i in range(1, k + 1) for col in (f"class_{i}", f"prob_{i}")]
+        with open(path, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(header)
+            for index, classes, values in rows:
+                cells: list[Any] = [samples[index][0]]
+                for c, v in zip(classes, values):
+                    cells += [names[c] if names else str(c), f"{v:.6f}"]
+                writer.writerow(cells)
+        self.path = path
+        print(f"Predictions for {len(rows)} images: {path}", flush=True)

@@ -16,7 +16,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, Throughput
+from lit_imagenet.callbacks import CUDAPrefetch, PredictionWriter, Throughput
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
     StepCheckpoint,
@@ -24,7 +24,7 @@ from lit_imagenet.checkpointing import (
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.data import ImageFolderDataModule
-from lit_imagenet.errors import ConfigError, UserError
+from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.module import ImageClassifier
 from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard, NonFiniteLossError, Profile, RunLogger, TrainingCurves
 from lit_imagenet.precision import AMPFlags, ApexDDPStrategy, resolve_amp
@@ -41,10 +41,26 @@ def _trainer_defaults() -> dict[str, Any]:
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
+    _model_config: dict[str, Any] = {}
+
+    def _from_data_or_model(self, key: str) -> Any:
+        """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
+
+        def compute(value: Any) -> Any:
+            return value if value else self._model_config.get(key)
+
+        return compute
+
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("data.num_classes", "model.num_classes", apply_on="instantiate")
-        parser.link_arguments("data.classes", "model.class_names", apply_on="instantiate")
+        # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path,
+        # whose hyperparameters LightningCLI has put in the model's config.
+        parser.link_arguments(
+            "data.num_classes", "model.num_classes", self._from_data_or_model("num_classes"), apply_on="instantiate"
+        )
+        parser.link_arguments(
+            "data.classes", "model.class_names", self._from_data_or_model("class_names"), apply_on="instantiate"
+        )
         parser.link_arguments("data.channels_last", "model.channels_last")
         # Always-present callbacks, each configurable under its own key (--checkpoint.*, --prefetch.*).
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
@@ -67,6 +83,7 @@ class ImageNetCLI(LightningCLI):
         parser.add_lightning_class_args(TrainingCurves, "curves")
         parser.add_lightning_class_args(Profile, "profile")
         parser.add_class_arguments(AMPFlags, "amp")
+        parser.add_lightning_class_args(PredictionWriter, "predict_writer")
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -91,6 +108,21 @@ class ImageNetCLI(LightningCLI):
             config["ckpt_path"] = max(found, key=lambda p: Path(p).stat().st_mtime_ns)
             if self.trainer.is_global_zero:
                 print(f"Resuming from {config['ckpt_path']}", flush=True)
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        self._model_config = dict(config.get("model") or {})
+        if (
+            config.get("data") is not None
+            and config.data.get("root") is None
+            and not self._model_config.get("num_classes")
+        ):
+            raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
+        if config.get("ckpt_path") and config.get("model") is not None:
+            # The checkpoint's state replaces every weight, so the initial weights (possibly a file
+            # of the machine it was trained on) are not loaded again.
+            config.model.weights = None
 
     def after_fit(self) -> None:
         trainer = self.trainer

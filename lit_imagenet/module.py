@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
@@ -15,9 +15,9 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch
-from lit_imagenet.models import build_model
+from lit_imagenet.models import build_model, classifier_name
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.schedule import WarmupMultiStep, scaled_lr
+from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
 def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
@@ -45,8 +45,14 @@ class ImageClassifier(pl.LightningModule):
         momentum: SGD momentum.
         weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
         warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
-        milestones: Epochs at which the learning rate is multiplied by ``lr_gamma``.
-        lr_gamma: The multiplier at each milestone.
+        milestones: Epochs at which the learning rate is multiplied by ``lr_gamma`` (``step`` schedule).
+        lr_gamma: The multiplier at each milestone (``step`` schedule).
+        lr_schedule: ``step``: the reference's warmup and step decay at ``milestones``. ``cosine``:
+            warmup, then a cosine decay to 0 at the end of ``trainer.max_epochs``, for fine-tuning.
+        freeze_backbone_epochs: Train only the classifier head for this many first epochs: the rest
+            of the network gets no gradients and its batchnorm layers keep their running statistics.
+            Under DDP this needs ``--trainer.strategy ddp_find_unused_parameters_true``.
+        backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
         channels_last: Keep the network in channels_last memory format. ``None``: on when the run
             uses a CUDA device.
         class_names: Class names in label order; the command line takes them from the data and
@@ -64,14 +70,24 @@ class ImageClassifier(pl.LightningModule):
         warmup_epochs: int = 5,
         milestones: Sequence[int] = (30, 60, 80),
         lr_gamma: float = 0.1,
+        lr_schedule: Literal["step", "cosine"] = "step",
+        freeze_backbone_epochs: int = 0,
+        backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
     ) -> None:
         super().__init__()
         if class_names is not None and len(class_names) != num_classes:
             raise ValueError(f"Got {len(class_names)} class names for {num_classes} classes.")
+        if lr_schedule not in ("step", "cosine"):
+            raise ValueError(f"lr_schedule must be 'step' or 'cosine'. Got {lr_schedule!r}")
+        if freeze_backbone_epochs < 0:
+            raise ValueError(f"freeze_backbone_epochs must not be negative. Got {freeze_backbone_epochs}")
+        if backbone_lr_scale < 0:
+            raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
         self.save_hyperparameters()
         self.model = build_model(arch, num_classes, weights)
+        self.head_name = classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
         self.criterion = nn.CrossEntropyLoss()
         self.train_metrics = accuracy_metrics(num_classes, "train/")
@@ -100,6 +116,50 @@ class ImageClassifier(pl.LightningModule):
             use = self.trainer.strategy.root_device.type == "cuda"
         if use:
             self.model.to(memory_format=torch.channels_last)
+
+    def head_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the classifier head (the network's final ``nn.Linear``)."""
+        return list(self.model.get_submodule(self.head_name).parameters())
+
+    def backbone_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the network but its classifier head."""
+        head = {id(p) for p in self.head_parameters()}
+        return [p for p in self.model.parameters() if id(p) not in head]
+
+    def _backbone_batchnorms(self) -> list[nn.Module]:
+        prefix = self.head_name + "."
+        return [
+            m
+            for name, m in self.model.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not (name + ".").startswith(prefix)
+        ]
+
+    def set_backbone_frozen(self, frozen: bool) -> None:
+        """Stops (or restarts) training of everything but the classifier head.
+
+        Frozen parameters get no gradients, so SGD leaves them as they are (weight decay included),
+        and the batchnorm layers are put in eval mode so that their running statistics, which the
+        pretrained weights came with, are used and kept.
+        """
+        for p in self.backbone_parameters():
+            p.requires_grad_(not frozen)
+        for m in self._backbone_batchnorms():
+            m.train(not frozen and self.training)
+
+    @property
+    def backbone_frozen(self) -> bool:
+        """Whether the current epoch is one of the first ``freeze_backbone_epochs``."""
+        return self._trainer is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+
+    @override
+    def on_train_epoch_start(self) -> None:
+        if self.hparams.freeze_backbone_epochs:
+            self.set_backbone_frozen(self.backbone_frozen)
+
+    @override
+    def on_train_end(self) -> None:
+        if self.hparams.freeze_backbone_epochs:
+            self.set_backbone_frozen(False)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -164,8 +224,20 @@ class ImageClassifier(pl.LightningModule):
         _ = self.trainer.estimated_stepping_batches  # loads the training loader, so its length is known
         hp = self.hparams
         base_lr = scaled_lr(hp.lr, self.global_batch_size())
-        optimizer = torch.optim.SGD(self.parameters(), lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
-        schedule = WarmupMultiStep(self.steps_per_epoch(), hp.warmup_epochs, hp.milestones, hp.lr_gamma)
+        # The head first, so that param_groups[0] carries the full rate; LambdaLR scales both groups alike.
+        groups = [
+            {"params": self.head_parameters(), "lr": base_lr},
+            {"params": self.backbone_parameters(), "lr": base_lr * hp.backbone_lr_scale},
+        ]
+        optimizer = torch.optim.SGD(groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        schedule: WarmupMultiStep | WarmupCosine
+        if hp.lr_schedule == "cosine":
+            max_epochs = self.trainer.max_epochs
+            if max_epochs is None or max_epochs < 1:
+                raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
+            schedule = WarmupCosine(self.steps_per_epoch(), max_epochs, hp.warmup_epochs)
+        else:
+            schedule = WarmupMultiStep(self.steps_per_epoch(), hp.warmup_epochs, hp.milestones, hp.lr_gamma)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

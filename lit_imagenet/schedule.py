@@ -4,10 +4,13 @@ The base rate is given per 256 images and scaled by the global batch. For the fi
 ``warmup_epochs`` it ramps up linearly, recomputed at every optimizer step; after that it is
 multiplied by ``gamma`` once for each milestone epoch reached. The defaults (5 warmup epochs,
 milestones 30, 60, 80) give the schedule the example used for ResNet-50 in 90 epochs.
+
+``WarmupCosine`` is the short schedule for fine-tuning: the same warmup, then a cosine decay to 0.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -66,3 +69,41 @@ class WarmupMultiStep:
     def __call__(self, steps_done: int) -> float:
         epoch, index = divmod(steps_done, self.steps_per_epoch)
         return self.factor(epoch, index + 1)
+
+
+class WarmupCosine:
+    """Multiplier of the base learning rate for fine-tuning: linear warmup, then cosine decay to 0.
+
+    Calling it with the number of optimizer steps already taken (0 for the first step) gives the
+    factor for the next step. Warmup is the same per-step ramp as ``WarmupMultiStep``'s; after it
+    the factor follows half a cosine from 1 down to 0, reached after the last step of
+    ``max_epochs`` epochs. Like ``WarmupMultiStep`` it is a plain object with numeric attributes,
+    so ``LambdaLR`` saves and restores it with its state dict. ``LambdaLR`` applies it to every
+    parameter group, so groups with different base rates keep their ratio.
+
+    Args:
+        steps_per_epoch: Optimizer steps in one epoch.
+        max_epochs: Length of the run in epochs; the rate reaches 0 at its end.
+        warmup_epochs: Epochs of linear warmup; 0 turns warmup off.
+    """
+
+    def __init__(self, steps_per_epoch: int, max_epochs: int, warmup_epochs: int = 0) -> None:
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
+        if max_epochs < 1:
+            raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
+        if not 0 <= warmup_epochs < max_epochs:
+            raise ValueError(
+                f"warmup_epochs must be at least 0 and less than max_epochs ({max_epochs}). Got {warmup_epochs}"
+            )
+        self.steps_per_epoch = int(steps_per_epoch)
+        self.max_epochs = int(max_epochs)
+        self.warmup_epochs = int(warmup_epochs)
+
+    def __call__(self, steps_done: int) -> float:
+        warmup = self.warmup_epochs * self.steps_per_epoch
+        if steps_done < warmup:
+            return (steps_done + 1) / warmup
+        total = self.max_epochs * self.steps_per_epoch
+        progress = min(1.0, (steps_done - warmup) / (total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))

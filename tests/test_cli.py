@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from lit_imagenet.cli import main
+from lit_imagenet.models import build_model
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_there_are_configs() -> None:
-    assert {p.name for p in CONFIGS} >= {"resnet50.yaml", "ddp.yaml", "demo.yaml"}
+    assert {p.name for p in CONFIGS} >= {"resnet50.yaml", "ddp.yaml", "demo.yaml", "finetune.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -30,12 +31,36 @@ def test_every_config_parses_and_instantiates(config: Path, shapes_root: Path, t
             "--trainer.precision",
             "32-true",
         ]
+    if config.name == "finetune.yaml":  # its weights path is a placeholder
+        weights = tmp_path / "pretrained.pth"
+        torch.save(build_model("resnet18", 1000).state_dict(), weights)
+        args += ["--model.weights", str(weights)]
     cli = main(args, run=False)
     assert cli.model.hparams.num_classes == 3
     assert cli.model.hparams.class_names == ["circle", "square", "triangle"]
     if config.name == "resnet50.yaml":
         assert cli.model.hparams.arch == "resnet50" and cli.datamodule.batch_size == 256
         assert cli.model.hparams.milestones == [30, 60, 80]
+    if config.name == "finetune.yaml":
+        assert cli.model.hparams.lr_schedule == "cosine" and cli.model.hparams.freeze_backbone_epochs == 1
+
+
+def test_cli_built_from_python_runs_like_the_command_line(shapes_root: Path, tmp_path: Path) -> None:
+    """As in a notebook: the same config as on the command line, then the objects used directly."""
+    weights = tmp_path / "pretrained.pth"
+    torch.save(build_model("resnet18", 1000).state_dict(), weights)
+    cli = main(
+        ["--config", str(REPO / "configs/finetune.yaml"), "--data.root", str(shapes_root), "--model.weights",
+         str(weights), "--data.batch_size", "8", "--data.workers", "0", "--data.crop_size", "32",
+         "--data.val_resize", "36", "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false",
+         "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)],
+        run=False,
+    )  # fmt: skip
+    assert cli.subcommand is None and cli.trainer.max_epochs == 2
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert cli.trainer.current_epoch == 2 and 0 <= float(cli.trainer.callback_metrics["val/top1"]) <= 1
+    rows = list(csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    assert any(r.get("val/top1") for r in rows)
 
 
 def test_help_shows_docstrings(capsys: pytest.CaptureFixture) -> None:

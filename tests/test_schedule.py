@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lit_imagenet.schedule import WarmupMultiStep, scaled_lr
+from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
 def reference_lr(base: float, epoch: int, step: int, len_epoch: int) -> float:
@@ -57,3 +57,39 @@ def test_scaled_lr_is_per_256_images() -> None:
 def test_schedule_refuses_bad_arguments(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         WarmupMultiStep(**kwargs)
+
+
+def test_cosine_warms_up_then_decays_to_zero_at_max_epochs() -> None:
+    steps, epochs, warmup = 4, 5, 1
+    schedule = WarmupCosine(steps, max_epochs=epochs, warmup_epochs=warmup)
+    factors = [schedule(s) for s in range(steps * epochs + 1)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]  # the reference's per-step ramp
+    decay = factors[4:]
+    assert decay[0] == 1.0 and decay[-1] == 0.0
+    assert all(a > b for a, b in zip(decay, decay[1:]))
+    total = steps * (epochs - warmup)
+    assert math.isclose(decay[total // 2], 0.5, abs_tol=1e-12)  # half-way down at half-way through
+    assert schedule(10_000) == 0.0
+
+
+def test_cosine_without_warmup_starts_at_full_rate_and_state_round_trips() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([{"params": [param], "lr": 1.0}, {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.1}])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(10, max_epochs=3))
+    assert opt.param_groups[0]["lr"] == 1.0
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    head, backbone = (g["lr"] for g in opt.param_groups)
+    assert math.isclose(backbone, 0.1 * head, rel_tol=1e-12)
+    restored = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(1, max_epochs=1))
+    restored.load_state_dict(sched.state_dict())
+    assert restored.lr_lambdas[0].steps_per_epoch == 10 and restored.lr_lambdas[0].max_epochs == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(steps_per_epoch=0, max_epochs=3), dict(steps_per_epoch=2, max_epochs=2, warmup_epochs=2)]
+)
+def test_cosine_refuses_bad_settings(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        WarmupCosine(**kwargs)

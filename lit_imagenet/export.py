@@ -1,0 +1,87 @@
+"""Export a trained classifier for use without this project: a torchvision state dict and a torch.export program.
+
+``python -m lit_imagenet.export CHECKPOINT OUT_DIR`` writes, into ``OUT_DIR``:
+
+- ``<arch>_state_dict.pth``: the network's weights with torchvision's own keys, loadable with
+  ``torchvision.models.<arch>(num_classes=N).load_state_dict(torch.load(path, weights_only=True))``;
+- ``<arch>.pt2``: a ``torch.export`` program of the network in eval mode, loadable with
+  ``torch.export.load(path).module()`` (any batch size; the image size it was exported at);
+- ``<arch>.json``: the architecture, number and names of the classes, input size, mean and std.
+
+Both exported forms take **normalised float NCHW** images: RGB scaled to [0, 1], minus the
+ImageNet mean ``(0.485, 0.456, 0.406)``, divided by the std ``(0.229, 0.224, 0.225)``, as
+``torchvision.transforms.Normalize`` does. They return logits; apply softmax for probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lit_imagenet.models import build_model
+from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD
+
+
+def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
+    """The torchvision network of a checkpoint of this project (eval mode, on the CPU), and its hyperparameters."""
+    path = Path(checkpoint_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint {path} does not exist; give the .ckpt file written by training.")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
+    if not hparams or "arch" not in hparams or "state_dict" not in ckpt:
+        raise ValueError(f"{path} is not a checkpoint of this project (no hyperparameters); export needs one.")
+    network = build_model(hparams["arch"], hparams["num_classes"])
+    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+    network.load_state_dict(state)
+    return network.eval(), dict(hparams)
+
+
+def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[str, Path]:
+    """Writes the network of a checkpoint as a plain torchvision state dict and as a torch.export program.
+
+    Args:
+        checkpoint_path: A ``.ckpt`` file written by ``train.py fit``.
+        out_dir: Folder for the exported files (created if needed).
+        image_size: Height and width of the example input the program is exported with; use the
+            crop size the model was trained with.
+
+    Returns:
+        The paths written, under the keys ``state_dict``, ``program`` and ``metadata``.
+    """
+    network, hparams = load_network(checkpoint_path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arch = hparams["arch"]
+    paths = {
+        "state_dict": out / f"{arch}_state_dict.pth",
+        "program": out / f"{arch}.pt2",
+        "metadata": out / f"{arch}.json",
+    }
+    torch.save(network.state_dict(), paths["state_dict"])
+    example = torch.randn(2, 3, image_size, image_size)
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    with torch.no_grad():
+        program = torch.export.export(network, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, paths["program"])
+    metadata = {
+        "arch": arch,
+        "num_classes": hparams["num_classes"],
+        "class_names": hparams.get("class_names"),
+        "input": f"float32 (N, 3, {image_size}, {image_size}), RGB in [0, 1] normalised with mean and std",
+        "mean": list(IMAGENET_MEAN),
+        "std": list(IMAGENET_STD),
+    }
+    paths["metadata"].write_text(json.dumps(metadata, indent=2))
+    for path in paths.values():
+        print(f"Wrote {path}", flush=True)
+    return paths
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(export)
