@@ -6,14 +6,10 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-# Known problem: the notebook runs to its last cell, but fine-tuning ends at chance accuracy (about 0.35),
-# so its final assertion fails; strict, so that this mark must go once the notebook reaches its threshold.
-@pytest.mark.xfail(raises=CellExecutionError, strict=True, reason="fine-tuning in the notebook ends at chance")
 def test_finetune_notebook_runs_and_reaches_its_accuracy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The kernel is started with this interpreter (jupyter_client swaps it in for "python") and in tmp_path.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
