@@ -13,6 +13,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lit_imagenet.checkpointing import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
+from tests.cli_args import fit_args as _fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,15 +95,6 @@ def test_default_writer_is_replaced_but_a_users_is_kept(tmp_path: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", logger=False, default_root_dir=tmp_path, plugins=[Mine()])
     use_atomic_checkpoint_io(trainer)
     assert type(trainer.strategy.checkpoint_io) is Mine
-
-
-def _fit_args(root: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "fit", "--data.root", str(root), "--data.batch_size", "8", "--data.workers", "0", "--data.crop_size", "32",
-        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.accelerator", "cpu",
-        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out), *extra,
-    ]  # fmt: skip
 
 
 def test_step_checkpoints_and_resume_from_last(shapes_root: Path, tmp_path: Path, capsys) -> None:

@@ -8,6 +8,7 @@ import torch
 
 from lit_imagenet.cli import main
 from lit_imagenet.models import build_model
+from tests.cli_args import fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -79,17 +80,8 @@ def test_print_config(shapes_root: Path, capsys: pytest.CaptureFixture) -> None:
     assert "arch: resnet18" in out and "batch_size: 64" in out
 
 
-def _fit_args(root: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [
-        "fit", "--data.root", str(root), "--data.batch_size", "8", "--data.workers", "1", "--data.crop_size", "32",
-        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.max_epochs", "1",
-        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path), *extra,
-    ]  # fmt: skip
-
-
 def test_fit_prints_where_logs_and_checkpoints_went(shapes_root: Path, tmp_path: Path, capsys) -> None:
-    main(_fit_args(shapes_root, tmp_path))
+    main(fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1", workers=1))
     out = capsys.readouterr().out
     assert f"Logs: {tmp_path}" in out
     best = next(line for line in out.splitlines() if line.startswith("Best checkpoint: "))
@@ -101,7 +93,7 @@ def test_fit_prints_where_logs_and_checkpoints_went(shapes_root: Path, tmp_path:
 
 def test_missing_root_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(_fit_args(tmp_path / "nowhere", tmp_path))
+        main(fit_args(tmp_path / "nowhere", tmp_path, "--trainer.max_epochs", "1", workers=1))
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: Data root") and "nowhere" in err and "\n" not in err
@@ -117,7 +109,7 @@ def test_corrupt_image_found_in_a_worker_stops_the_run_with_its_name(shapes_root
     bad = root / "train" / "square" / "square_000003.jpg"
     bad.write_bytes(bad.read_bytes()[:200])
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), *_fit_args(root, tmp_path)],
+        [sys.executable, str(REPO / "train.py"), *fit_args(root, tmp_path, "--trainer.max_epochs", "1", workers=1)],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -1,3 +1,4 @@
+import functools
 import importlib
 import json
 import os
@@ -17,6 +18,7 @@ from lit_imagenet.precision import (
     import_apex_amp,
     resolve_amp,
 )
+from tests.cli_args import fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_APEX = Path(__file__).resolve().parent / "fake_apex"
@@ -133,18 +135,12 @@ def test_apex_plugin_state_waits_for_initialize(fake_apex) -> None:
                                      "loss_scale": "dynamic"}  # fmt: skip
 
 
+_fit_args = functools.partial(fit_args, batch_size=6)  # 24 images on 2 ranks: 2 steps an epoch
+
+
 def _run(args: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path, env={**os.environ, **env})  # fmt: skip
-
-
-def _fit_args(root: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "fit", "--data.root", str(root), "--data.batch_size", "6", "--data.workers", "0", "--data.crop_size", "32",
-        "--data.val_resize", "36", "--model.arch", "resnet18", "--trainer.accelerator", "cpu",
-        "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(out),
-        "--trainer.logger.init_args.save_dir", str(out), *extra,
-    ]  # fmt: skip
 
 
 def test_apex_under_ddp_initialises_before_wrapping_and_resumes_scaler_state(shapes_root: Path, tmp_path: Path) -> None:
@@ -207,3 +203,15 @@ def test_cpu_capable_precisions_train(shapes_root: Path, tmp_path: Path, precisi
     assert cli.trainer.global_step == 3
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss_step"])
     json.dumps(float(cli.trainer.callback_metrics["train/loss_step"]))
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_before_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lit_imagenet.cli import _check_bf16
+    from lit_imagenet.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100")
+    with pytest.raises(ConfigError, match="Tesla V100 cannot compute in bfloat16; use --trainer.precision 16-mixed"):
+        _check_bf16({"accelerator": "gpu", "precision": "bf16-mixed"})
+    _check_bf16({"accelerator": "cpu", "precision": "bf16-mixed"})  # the CPU path is not a CUDA question

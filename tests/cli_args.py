@@ -1,0 +1,14 @@
+"""Command-line arguments shared by the tests that run ``train.py`` on the tiny generated data."""
+
+from pathlib import Path
+
+
+def fit_args(root: Path, out: Path, *extra: str, batch_size: int = 8, workers: int = 0) -> list[str]:
+    """``fit`` on CPU at 32x32 with ResNet-18, logging and checkpointing under ``out``; ``extra`` goes last."""
+    return [
+        "fit", "--data.root", str(root), "--data.batch_size", str(batch_size), "--data.workers", str(workers),
+        "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", "resnet18",
+        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out),
+        "--trainer.logger.init_args.save_dir", str(out), *extra,
+    ]  # fmt: skip
