@@ -13,6 +13,7 @@ the GPU (``lit_imagenet.prefetch``), not in the workers.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -138,11 +139,20 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[Any, int]:
+        """``item`` is an index, or ``(index, seed)`` from ``EpochSeededSampler`` to fix the augmentation."""
+        index, seed = item if isinstance(item, tuple) else (item, None)
         path, target = self.samples[index]
         img = load_rgb(path)
         if self.transform is not None:
-            img = self.transform(img)
+            if seed is None:
+                img = self.transform(img)
+            else:
+                # torchvision's random transforms draw from torch's global generator: seeding it per
+                # sample makes the augmentation independent of worker count, order and restarts.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(seed)
+                    img = self.transform(img)
         return img, target
 
 
@@ -178,6 +188,61 @@ def _hwc_uint8(img: Any) -> np.ndarray:
     if array.ndim == 2:
         array = array[:, :, None]
     return array
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The augmentation seed of sample ``index`` in ``epoch`` of a run seeded with ``seed``."""
+    return (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + index) & 0x7FFFFFFFFFFFFFFF
+
+
+class EpochSeededSampler(DistributedSampler):
+    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch.
+
+    It yields ``(index, augmentation seed)`` pairs, so that a sample's crop and flip depend only on
+    the seed, the epoch and the sample, not on which worker loads it or whether the run restarted.
+    Like ``DistributedSampler`` it shards (and pads) across ``num_replicas`` processes; with one
+    process it is a seeded shuffle. ``resume_at`` makes the next pass over ``epoch`` start after the
+    samples already trained on, so a run killed mid-epoch continues with the very same batches.
+
+    Args:
+        dataset: The training dataset.
+        seed: Seed of the order and of the augmentation.
+        num_replicas: Number of processes.
+        rank: This process's rank.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        """Sets the epoch, and skips its first ``samples_done`` samples in the next pass only."""
+        self.set_epoch(epoch)
+        self._resume = (epoch, samples_done)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        self._resume = None
+        epoch, seed = self.epoch, self.seed
+        return iter([(i, sample_seed(seed, epoch, i)) for i in indices[start:]])
+
+
+def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
+    """``(epoch, batches already trained in it)`` for a run restored from a checkpoint (``(0, 0)`` otherwise).
+
+    Read from the fit loop's restored progress, which Lightning loads before it asks for the loader.
+    """
+    loop = trainer.fit_loop
+    if not loop.restarting:
+        return trainer.current_epoch, 0
+    epoch = max(loop.epoch_progress.current.started - 1, 0)
+    done = loop.epoch_loop.batch_progress.current.processed
+    if done >= batches_per_epoch:
+        return epoch + 1, 0
+    return epoch, done
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
@@ -217,6 +282,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU.
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
+        seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
+            A run resumed from a checkpoint keeps the seed it was started with.
     """
 
     def __init__(
@@ -231,6 +298,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         pin_memory: bool = True,
         verify_images: bool = False,
         predict_root: str | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -253,6 +321,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.channels_last = channels_last
         self.pin_memory = pin_memory
         self.predict_root = Path(predict_root) if predict_root is not None else None
+        self.seed = seed
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
@@ -315,16 +384,27 @@ class ImageFolderDataModule(pl.LightningDataModule):
         use = self._on_cuda() if self.channels_last is None else self.channels_last
         return torch.channels_last if use else torch.contiguous_format
 
+    def _data_seed(self) -> int:
+        if self.seed is not None:
+            return self.seed
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
+
     def _loader(self, split: str, train: bool) -> PrefetchLoader:
         transform = self.train_transform() if train else self.eval_transform()
         dataset = ImageFolderDataset(self.samples(split), transform)
-        sampler = None
-        if not train and self.trainer is not None and self.trainer.world_size > 1:
-            sampler = UnpaddedDistributedSampler(dataset, self.trainer.world_size, self.trainer.global_rank)
+        sampler: DistributedSampler | None = None
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        if train:
+            sampler = EpochSeededSampler(dataset, self._data_seed(), world, rank)
+            if self.trainer is not None:
+                epoch, done = resume_position(self.trainer, math.ceil(len(sampler) / self.batch_size))
+                sampler.resume_at(epoch, done * self.batch_size)
+        elif world > 1:
+            sampler = UnpaddedDistributedSampler(dataset, world, rank)
         return PrefetchLoader(
             dataset,
             batch_size=self.batch_size,
-            shuffle=train,
+            shuffle=False,
             sampler=sampler,
             num_workers=self.workers,
             collate_fn=partial(collate_uint8, memory_format=self._memory_format()),

@@ -54,6 +54,8 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
     """The network's parameters from a loaded file, with ``model.``/``module.``/``_orig_mod.`` prefixes removed."""
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
+        if any(str(k).startswith("model.") for k in obj):  # this project's checkpoint: the network only
+            obj = {k: v for k, v in obj.items() if str(k).startswith("model.")}
     if not isinstance(obj, Mapping) or not obj or not all(isinstance(v, Tensor) for v in obj.values()):
         raise ValueError(f"{source} holds no state dict of tensors; give a state dict or a checkpoint.")
     state: dict[str, Tensor] = {}

@@ -94,6 +94,9 @@ class ImageClassifier(pl.LightningModule):
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
         self.train_loss = MeanMetric()
+        # Saved in checkpoints, so that an epoch resumed part-way reports the whole epoch's figures.
+        self.train_metrics.persistent(True)
+        self.train_loss.persistent(True)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
 
@@ -221,9 +224,11 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        _ = self.trainer.estimated_stepping_batches  # loads the training loader, so its length is known
+        # The rates depend on the training loader (batch size, length), which is not asked for here:
+        # loading it this early would draw its first batches before a checkpoint's loop state is
+        # restored, and a resumed run would restart its epoch. ``on_train_start`` sets them.
         hp = self.hparams
-        base_lr = scaled_lr(hp.lr, self.global_batch_size())
+        base_lr = hp.lr
         # The head first, so that param_groups[0] carries the full rate; LambdaLR scales both groups alike.
         groups = [
             {"params": self.head_parameters(), "lr": base_lr},
@@ -235,11 +240,27 @@ class ImageClassifier(pl.LightningModule):
             max_epochs = self.trainer.max_epochs
             if max_epochs is None or max_epochs < 1:
                 raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
-            schedule = WarmupCosine(self.steps_per_epoch(), max_epochs, hp.warmup_epochs)
+            schedule = WarmupCosine(1, max_epochs, hp.warmup_epochs)
         else:
-            schedule = WarmupMultiStep(self.steps_per_epoch(), hp.warmup_epochs, hp.milestones, hp.lr_gamma)
+            schedule = WarmupMultiStep(1, hp.warmup_epochs, hp.milestones, hp.lr_gamma)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @override
+    def on_train_start(self) -> None:
+        """Scales the base rates by the global batch and sets the schedule's steps per epoch."""
+        scheduler = self.lr_schedulers()
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            return  # an optimizer or scheduler given on the command line replaces ours
+        base_lr = scaled_lr(self.hparams.lr, self.global_batch_size())
+        scheduler.base_lrs = [base_lr, base_lr * self.hparams.backbone_lr_scale]
+        steps = self.steps_per_epoch()
+        for schedule in scheduler.lr_lambdas:
+            schedule.steps_per_epoch = steps
+        optimizer = scheduler.optimizer
+        for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * schedule(scheduler.last_epoch)
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

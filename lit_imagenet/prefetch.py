@@ -140,6 +140,19 @@ class PrefetchLoader(DataLoader):
         self.mean = tuple(mean)
         self.std = tuple(std)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with.
+
+        Where in the epoch to resume is not kept here (this loader runs ahead of training); the data
+        module reads it from the trainer's restored progress.
+        """
+        seed = getattr(self.sampler, "seed", None)
+        return {} if seed is None else {"seed": int(seed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "seed" in state_dict and hasattr(self.sampler, "seed"):
+            self.sampler.seed = int(state_dict["seed"])
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         source = super().__iter__()
         if self.device is None or self.device.type != "cuda":

@@ -1,0 +1,93 @@
+"""A run killed with SIGKILL mid-epoch and resumed ends with exactly the weights of an uninterrupted run."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lit_imagenet.data import EpochSeededSampler
+from tests.cli_args import fit_args
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _args(root: Path, out: Path, *extra: str) -> list[str]:
+    return fit_args(
+        root, out, "--trainer.max_epochs", "2", "--trainer.deterministic", "true", "--seed_everything", "7",
+        "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "2", *extra,
+        batch_size=6, workers=2,
+    )  # fmt: skip
+
+
+def _start(args: list[str], cwd: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _network(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+def _final(root: Path) -> Path:
+    """The checkpoint with the most steps under ``root`` (a resumed run may write ``last-v1.ckpt``)."""
+    return max(root.rglob("*.ckpt"), key=lambda p: torch.load(p, map_location="cpu", weights_only=True)["global_step"])
+
+
+def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
+    # 144 training images in batches of 6: 24 steps an epoch, 48 in all; the kill lands in epoch 0 or 1.
+    whole = tmp_path / "whole"
+    proc = _start(_args(learnable_root, whole), tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+
+    cut = tmp_path / "cut"
+    proc = _start(_args(learnable_root, cut), tmp_path)
+    killed_at = None
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        steps = list(cut.rglob("last-step.ckpt"))
+        if steps:
+            try:
+                step = torch.load(steps[0], map_location="cpu", weights_only=True)["global_step"]
+            except Exception:  # being replaced this instant
+                step = 0
+            if step >= 15:
+                proc.send_signal(signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.02)
+    proc.communicate(timeout=60)
+    assert killed_at is not None and proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    assert 15 <= killed_at < 48
+
+    proc = _start(_args(learnable_root, cut, "--ckpt_path", "last"), tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Resuming from" in out
+
+    final_whole, final_cut = _network(_final(whole)), _network(_final(cut))
+    assert torch.load(_final(cut), weights_only=True)["global_step"] == 48
+    assert final_whole.keys() == final_cut.keys()
+    different = [k for k in final_whole if not torch.equal(final_whole[k], final_cut[k])]
+    assert not different, different[:5]
+
+
+def test_sampler_resumes_mid_epoch_with_the_same_samples_and_seeds() -> None:
+    data = list(range(50))
+    full = EpochSeededSampler(data, seed=3, num_replicas=2, rank=1)
+    full.set_epoch(4)
+    whole = list(full)
+    resumed = EpochSeededSampler(data, seed=3, num_replicas=2, rank=1)
+    resumed.resume_at(4, 10)
+    assert list(resumed) == whole[10:]
+    assert list(resumed) == whole  # only the first pass skips
+    other = EpochSeededSampler(data, seed=3, num_replicas=2, rank=1)
+    other.set_epoch(5)
+    assert [i for i, _ in other] != [i for i, _ in whole]
+    assert len({s for _, s in whole}) == len(whole)
