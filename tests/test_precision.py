@@ -215,3 +215,24 @@ def test_bf16_on_a_gpu_without_it_is_refused_before_training(monkeypatch: pytest
     with pytest.raises(ConfigError, match="Tesla V100 cannot compute in bfloat16; use --trainer.precision 16-mixed"):
         _check_bf16({"accelerator": "gpu", "precision": "bf16-mixed"})
     _check_bf16({"accelerator": "cpu", "precision": "bf16-mixed"})  # the CPU path is not a CUDA question
+
+
+def test_apex_gradient_clipping_uses_the_master_parameters(shapes_root: Path, tmp_path: Path, fake_apex) -> None:
+    from lit_imagenet.cli import main
+
+    seen = []
+    real = fake_apex.master_params
+
+    def master_params(optimizer):
+        seen.append(optimizer)
+        return real(optimizer)
+
+    fake_apex.master_params = master_params
+    try:
+        cli = main(fit_args(shapes_root, tmp_path, "--amp.opt_level", "O1", "--trainer.max_steps", "2",
+                            "--trainer.gradient_clip_val", "0.5", "--trainer.limit_val_batches", "0"))  # fmt: skip
+    finally:
+        fake_apex.master_params = real
+    assert cli.trainer.global_step == 2
+    assert len(seen) == 2  # clipped once per step, on apex's parameters
+    assert [c[0] for c in fake_apex.calls].count("scale_loss") == 2
