@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytorch_lightning as pl
@@ -28,6 +28,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchvision import transforms
+from torchvision.io import ImageReadMode, decode_image, read_file
 
 from lit_imagenet.errors import DataError
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, PrefetchLoader
@@ -113,6 +114,30 @@ def load_rgb(path: str) -> Image.Image:
         raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
 
 
+_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp", ".gif")
+
+
+def load_rgb_tensor(path: str) -> Tensor:
+    """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats).
+
+    ``torchvision.io`` decodes JPEG with libjpeg-turbo straight into a tensor, and the random crop
+    and resize then run on uint8 tensors: no PIL image is made.
+
+    Raises:
+        DataError: The file cannot be read or decoded; the message names it.
+    """
+    if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
+        return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
+    try:
+        img = decode_image(read_file(path), mode=ImageReadMode.RGB)
+    except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
+        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
+    if img.dtype != torch.uint8:  # 16-bit PNG
+        img = (img.to(torch.int32) >> 8).to(torch.uint8)
+    return img
+
+
 def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
     """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
 
@@ -129,12 +154,19 @@ class ImageFolderDataset(Dataset):
 
     Args:
         samples: ``(path, class index)`` pairs.
-        transform: Applied to each PIL image.
+        transform: Applied to each image.
+        loader: Opens a path: ``load_rgb`` (a PIL image) or ``load_rgb_tensor`` (a uint8 tensor).
     """
 
-    def __init__(self, samples: Sequence[tuple[str, int]], transform: Callable[[Image.Image], Any] | None = None):
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        transform: Callable[[Any], Any] | None = None,
+        loader: Callable[[str], Any] = load_rgb,
+    ):
         self.samples = list(samples)
         self.transform = transform
+        self.loader = loader
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -143,7 +175,7 @@ class ImageFolderDataset(Dataset):
         """``item`` is an index, or ``(index, seed)`` from ``EpochSeededSampler`` to fix the augmentation."""
         index, seed = item if isinstance(item, tuple) else (item, None)
         path, target = self.samples[index]
-        img = load_rgb(path)
+        img = self.loader(path)
         if self.transform is not None:
             if seed is None:
                 img = self.transform(img)
@@ -282,6 +314,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU.
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
+        decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
+            decodes with ``torchvision.io`` and crops and resizes uint8 tensors.
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
     """
@@ -299,6 +333,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         verify_images: bool = False,
         predict_root: str | None = None,
         seed: int | None = None,
+        decoder: Literal["pil", "torchvision"] = "pil",
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -322,6 +357,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.pin_memory = pin_memory
         self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
+        if decoder not in ("pil", "torchvision"):
+            raise ValueError(f"decoder must be 'pil' or 'torchvision'. Got {decoder!r}")
+        self.decoder = decoder
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
@@ -367,12 +405,14 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise DataError(f"There is no {split!r} split; the data module has {sorted(self._splits)}.")
         return self._splits[split]
 
-    def train_transform(self) -> Callable[[Image.Image], Image.Image]:
+    def train_transform(self) -> Callable[[Any], Any]:
+        """RandomResizedCrop and horizontal flip; works on PIL images and on uint8 tensors alike."""
         return transforms.Compose(
             [transforms.RandomResizedCrop(self.crop_size, scale=self.crop_scale), transforms.RandomHorizontalFlip()]
         )
 
-    def eval_transform(self) -> Callable[[Image.Image], Image.Image]:
+    def eval_transform(self) -> Callable[[Any], Any]:
+        """Resize of the short side, then centre crop; on PIL images or uint8 tensors."""
         return transforms.Compose([transforms.Resize(self.val_resize), transforms.CenterCrop(self.crop_size)])
 
     def _on_cuda(self) -> bool:
@@ -391,7 +431,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> PrefetchLoader:
         transform = self.train_transform() if train else self.eval_transform()
-        dataset = ImageFolderDataset(self.samples(split), transform)
+        loader = load_rgb_tensor if self.decoder == "torchvision" else load_rgb
+        dataset = ImageFolderDataset(self.samples(split), transform, loader)
         sampler: DistributedSampler | None = None
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         if train:

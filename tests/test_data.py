@@ -11,6 +11,7 @@ from lit_imagenet.data import (
     UnpaddedDistributedSampler,
     collate_uint8,
     load_rgb,
+    load_rgb_tensor,
 )
 
 
@@ -145,3 +146,42 @@ def test_unpadded_sampler_sees_every_sample_once(n: int, world: int) -> None:
     shards = [list(UnpaddedDistributedSampler(dataset, world, r)) for r in range(world)]
     assert sorted(i for s in shards for i in s) == list(range(n))
     assert [len(UnpaddedDistributedSampler(dataset, world, r)) for r in range(world)] == [len(s) for s in shards]
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "CMYK", "RGBA"])
+def test_torchvision_decoder_gives_rgb_uint8_tensors(tmp_path: Path, mode: str) -> None:
+    path = tmp_path / ("x.jpg" if mode in ("L", "CMYK") else "x.png")
+    Image.new(mode, (10, 6)).save(path)
+    out = load_rgb_tensor(str(path))
+    assert out.dtype == torch.uint8 and out.shape == (3, 6, 10)
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated"])
+def test_torchvision_decoder_names_an_undecodable_file(tmp_path: Path, content) -> None:
+    path = tmp_path / "bad.jpg"
+    if content == "truncated":
+        Image.new("RGB", (64, 64), (200, 10, 10)).save(path, quality=90)
+        path.write_bytes(path.read_bytes()[:300])
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError, match="bad.jpg"):
+        load_rgb_tensor(str(path))
+
+
+def test_torchvision_decoder_matches_pil_batches(shapes_root: Path) -> None:
+    kwargs = dict(batch_size=15, workers=0, crop_size=32, val_resize=36)
+    pil = next(iter(ImageFolderDataModule(str(shapes_root), **kwargs).val_dataloader()))
+    tv = next(iter(ImageFolderDataModule(str(shapes_root), decoder="torchvision", **kwargs).val_dataloader()))
+    assert tv[0].dtype == torch.uint8 and tv[0].shape == pil[0].shape
+    assert torch.equal(tv[1], pil[1])
+    # Two JPEG decoders and two antialiased resizes: equal up to a few levels of 255.
+    assert (tv[0].float() - pil[0].float()).abs().mean() < 4.0
+
+
+def test_torchvision_decoder_augments_reproducibly_per_sample(shapes_root: Path) -> None:
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=6, workers=0, crop_size=24, val_resize=36,
+                               decoder="torchvision", seed=5)  # fmt: skip
+    first = next(iter(dm.train_dataloader()))
+    again = next(iter(ImageFolderDataModule(str(shapes_root), batch_size=6, workers=0, crop_size=24, val_resize=36,
+                                            decoder="torchvision", seed=5).train_dataloader()))  # fmt: skip
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
