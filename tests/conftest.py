@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from lit_imagenet.synthetic import make_shapes
-
-os.environ.setdefault("PL_DISABLE_FORK", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
