@@ -218,7 +218,7 @@ def fit(arch: str, decoder: str, args: argparse.Namespace, root: Path) -> dict[s
     ]  # fmt: skip
     if args.devices > 1:
         cmd += ["--trainer.strategy", "ddp"]
-    if args.smoke:
+    if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
     cmd += args.extra
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
