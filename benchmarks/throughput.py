@@ -322,9 +322,10 @@ def main(argv: list[str] | None = None) -> None:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report = {"environment": env, "settings": settings, "data": str(root), "rows": rows}
     (args.out / "throughput.json").write_text(json.dumps(report, indent=2, default=str))
-    chart(rows, args.out / "throughput.png", f"{env['gpu'] or 'CPU'}; {setup}")
+    where = env["gpu"] if device.type == "cuda" else "CPU"
+    chart(rows, args.out / "throughput.png", f"{where}; {setup}")
 
-    print(f"\n{env['gpu'] or 'CPU'} ({env['cpus_usable']} CPUs), torch {env['torch']}, torchvision "
+    print(f"\n{where} ({env['cpus_usable']} CPUs), torch {env['torch']}, torchvision "
           f"{env['torchvision']}, pytorch-lightning {env['pytorch_lightning']}; {setup}\n")  # fmt: skip
     print("| setting | arch | devices | images/s | ratio to model alone | peak memory GiB |")
     print("| --- | --- | --- | --- | --- | --- |")
