@@ -1,0 +1,45 @@
+"""The throughput benchmark's smoke mode runs end to end on CPU and writes its table and chart."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def test_throughput_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "throughput"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    report = json.loads((out / "throughput.json").read_text())
+    rows = report["rows"]
+    assert [(r["setting"], r["arch"]) for r in rows] == [
+        ("model-alone", "resnet18"),
+        ("loop", "resnet18"),
+        ("fit-pil", "resnet18"),
+        ("fit-torchvision", "resnet18"),
+    ]
+    for row in rows:
+        assert row["images_per_sec"] > 0, row
+        assert row["devices"] == 1
+        assert row["ratio"] > 0
+        assert row["peak_memory_gib"] is None  # CPU: no GPU memory to report
+    assert rows[0]["ratio"] == 1.0
+    env = report["environment"]
+    for key in ("cpu_count", "torch", "torchvision", "pytorch_lightning"):
+        assert env[key], key
+    assert "| fit-torchvision | resnet18 | 1 |" in proc.stdout
+
+    png = (out / "throughput.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
