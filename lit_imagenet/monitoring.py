@@ -139,7 +139,6 @@ class ConsoleLog(pl.Callback):
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self.lines: list[str] = []
         self._start = 0.0
         self._images = 0
         self._batches = 0
@@ -174,7 +173,6 @@ class ConsoleLog(pl.Callback):
         line = " | ".join(shown)
         self._start, self._images, self._batches = now, 0, 0
         if trainer.is_global_zero:
-            self.lines.append(line)
             bar = trainer.progress_bar_callback
             if bar is not None and bar.is_enabled and hasattr(bar, "print"):
                 bar.print(line)
