@@ -47,50 +47,42 @@ class CUDAPrefetch(pl.Callback):
             datamodule.prefetch_device = None
 
 
-class Throughput(pl.Callback):
-    """Measures training images per second over all processes, and peak GPU memory.
+def sync_device(pl_module: pl.LightningModule) -> None:
+    """Waits for the module's GPU, so that a host clock measures the work queued so far."""
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
 
-    Every ``log_every_n_steps`` batches it logs ``train/images_per_sec`` for the steps since the last log
-    (synchronising the GPU only then), and at the end of each epoch it reports the epoch's average,
-    epoch start included, which is the figure that counts for a whole run.
+
+class Throughput(pl.Callback):
+    """Reports each training epoch's images per second over all processes, and peak GPU memory.
+
+    The average covers the whole epoch, epoch start included, which is the figure that counts for
+    a whole run; the GPU is synchronised only at the start and the end of the epoch. (The rate
+    between log steps is ``ConsoleLog``'s ``train/images_per_sec``.)
     """
 
     def __init__(self) -> None:
         self.history: list[dict[str, float]] = []
         self._epoch_start = 0.0
         self._epoch_images = 0
-        self._window_start = 0.0
-        self._window_images = 0
-
-    def _sync(self, pl_module: pl.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(pl_module)
+        sync_device(pl_module)
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._epoch_start = self._window_start = time.perf_counter()
-        self._epoch_images = self._window_images = 0
+        self._epoch_start = time.perf_counter()
+        self._epoch_images = 0
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        images = int(batch[0].shape[0]) * trainer.world_size
-        self._epoch_images += images
-        self._window_images += images
-        if (batch_idx + 1) % trainer.log_every_n_steps == 0:
-            self._sync(pl_module)
-            now = time.perf_counter()
-            rate = self._window_images / max(now - self._window_start, 1e-9)
-            pl_module.log("train/images_per_sec", rate, on_step=True, on_epoch=False, rank_zero_only=True)
-            self._window_start, self._window_images = now, 0
+        self._epoch_images += int(batch[0].shape[0]) * trainer.world_size
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._sync(pl_module)
+        sync_device(pl_module)
         seconds = time.perf_counter() - self._epoch_start
         record = {
             "epoch": float(trainer.current_epoch),

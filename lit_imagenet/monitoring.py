@@ -21,14 +21,11 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
+from lit_imagenet.callbacks import sync_device
+
 
 class NonFiniteLossError(RuntimeError):
     """The training loss was NaN or infinite for too many consecutive batches."""
-
-
-def _sync(pl_module: pl.LightningModule) -> None:
-    if pl_module.device.type == "cuda":
-        torch.cuda.synchronize(pl_module.device)
 
 
 class NonFiniteGuard(pl.Callback):
@@ -131,10 +128,11 @@ class ConsoleLog(pl.Callback):
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
     time per batch and images per second (over all processes) since the previous line, and the
-    loss, top-1 and top-5 of the current batch. The GPU is synchronised only on those steps.
+    loss, top-1 and top-5 of the current batch. The images per second are also logged as
+    ``train/images_per_sec``. The GPU is synchronised only on those steps.
 
     Args:
-        enabled: Set to ``False`` for no lines (the progress bar stays).
+        enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).
     """
 
     def __init__(self, enabled: bool = True) -> None:
@@ -145,33 +143,36 @@ class ConsoleLog(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module)
+        sync_device(pl_module)
         self._start, self._images, self._batches = time.perf_counter(), 0, 0
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self.enabled:
-            return
         self._images += int(batch[0].shape[0]) * trainer.world_size
         self._batches += 1
         if (batch_idx + 1) % trainer.log_every_n_steps != 0:
             return
-        _sync(pl_module)
+        sync_device(pl_module)
         now = time.perf_counter()
         seconds = max(now - self._start, 1e-9)
+        rate = self._images / seconds
+        pl_module.log("train/images_per_sec", rate, on_step=True, on_epoch=False, rank_zero_only=True)
+        batches = self._batches
+        self._start, self._images, self._batches = now, 0, 0
+        if not self.enabled:
+            return
         metrics = trainer.callback_metrics
         total = trainer.num_training_batches
         shown = [f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"]
         shown[0] += f" step {trainer.global_step}"
-        shown.append(f"{seconds / self._batches:.3f} s/step")
-        shown.append(f"{self._images / seconds:,.0f} images/s")
+        shown.append(f"{seconds / batches:.3f} s/step")
+        shown.append(f"{rate:,.0f} images/s")
         for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
             if key in metrics:
                 shown.append(f"{name} {float(metrics[key]):.4f}")
         line = " | ".join(shown)
-        self._start, self._images, self._batches = now, 0, 0
         if trainer.is_global_zero:
             bar = trainer.progress_bar_callback
             if bar is not None and bar.is_enabled and hasattr(bar, "print"):
