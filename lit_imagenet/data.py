@@ -31,6 +31,17 @@ from torchvision import transforms
 from torchvision.io import ImageReadMode, decode_image, read_file
 
 from lit_imagenet.errors import DataError
+from lit_imagenet.gpu_decode import (
+    EncodedBatch,
+    EncodedImage,
+    center_crop_box,
+    collate_encoded,
+    gpu_decodable,
+    gpu_share_picks,
+    jpeg_size,
+    random_crop_box,
+    read_bytes,
+)
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, PrefetchLoader
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -188,6 +199,61 @@ class ImageFolderDataset(Dataset):
         return img, target
 
 
+class EncodedImageFolderDataset(ImageFolderDataset):
+    """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
+
+    A JPEG picked by ``gpu_share`` is only read and its header parsed; the crop box and flip are
+    drawn with the same random draws as ``transform`` makes on the CPU paths (RandomResizedCrop,
+    then the flip), so a seed gives the same crop either way. Other files, and the JPEGs left to the
+    workers, are decoded with ``load_rgb_tensor`` and transformed here.
+
+    Args:
+        samples: ``(path, class index)`` pairs.
+        transform: The CPU transform for the images decoded here.
+        train: Random crop and flip (training) or resize and centre crop (evaluation).
+        crop_size: Side of the output images.
+        crop_scale: Range of the crop's area, as for RandomResizedCrop.
+        val_resize: Short side before the evaluation centre crop.
+        gpu_share: Fraction of the images decoded on the GPU.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        transform: Callable[[Any], Any],
+        train: bool,
+        crop_size: int,
+        crop_scale: tuple[float, float],
+        val_resize: int,
+        gpu_share: float = 1.0,
+    ) -> None:
+        super().__init__(samples, transform, load_rgb_tensor)
+        self.train = train
+        self.crop_size = crop_size
+        self.crop_scale = crop_scale
+        self.val_resize = val_resize
+        self.gpu_share = gpu_share
+
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[Any, int]:
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        path, target = self.samples[index]
+        if not gpu_share_picks(index, self.gpu_share):
+            return super().__getitem__(item)
+        data = read_bytes(path)
+        if not gpu_decodable(data):
+            return super().__getitem__(item)
+        height, width = jpeg_size(data, path)
+        if not self.train:
+            box = center_crop_box(height, width, self.val_resize, self.crop_size)
+            return EncodedImage(data, box, self.crop_size, False, path), target
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            box = random_crop_box(height, width, self.crop_scale)
+            flip = bool(torch.rand(1) < 0.5)
+        return EncodedImage(data, box, self.crop_size, flip, path), target
+
+
 def collate_uint8(
     batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
 ) -> list[Tensor]:
@@ -315,7 +381,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
         decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
-            decodes with ``torchvision.io`` and crops and resizes uint8 tensors.
+            decodes with ``torchvision.io`` and crops and resizes uint8 tensors; ``nvjpeg`` has the
+            workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
+            (``lit_imagenet.gpu_decode``), for when the CPU cores cannot decode fast enough.
+        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
+            workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
+            and the CPU cores have time to spare.
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
     """
@@ -333,7 +404,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         verify_images: bool = False,
         predict_root: str | None = None,
         seed: int | None = None,
-        decoder: Literal["pil", "torchvision"] = "pil",
+        decoder: Literal["pil", "torchvision", "nvjpeg"] = "pil",
+        gpu_share: float = 1.0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -357,9 +429,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.pin_memory = pin_memory
         self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
-        if decoder not in ("pil", "torchvision"):
-            raise ValueError(f"decoder must be 'pil' or 'torchvision'. Got {decoder!r}")
+        if decoder not in ("pil", "torchvision", "nvjpeg"):
+            raise ValueError(f"decoder must be 'pil', 'torchvision' or 'nvjpeg'. Got {decoder!r}")
+        if not 0.0 <= gpu_share <= 1.0:
+            raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
         self.decoder = decoder
+        self.gpu_share = float(gpu_share)
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
@@ -431,8 +506,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, train: bool) -> PrefetchLoader:
         transform = self.train_transform() if train else self.eval_transform()
-        loader = load_rgb_tensor if self.decoder == "torchvision" else load_rgb
-        dataset = ImageFolderDataset(self.samples(split), transform, loader)
+        dataset: ImageFolderDataset
+        collate: Callable[..., Any]
+        if self.decoder == "nvjpeg":
+            dataset = EncodedImageFolderDataset(
+                self.samples(split), transform, train, self.crop_size, self.crop_scale, self.val_resize, self.gpu_share
+            )
+            collate = partial(collate_encoded, memory_format=self._memory_format())
+        else:
+            loader = load_rgb_tensor if self.decoder == "torchvision" else load_rgb
+            dataset = ImageFolderDataset(self.samples(split), transform, loader)
+            collate = partial(collate_uint8, memory_format=self._memory_format())
         sampler: DistributedSampler | None = None
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         if train:
@@ -448,7 +532,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             shuffle=False,
             sampler=sampler,
             num_workers=self.workers,
-            collate_fn=partial(collate_uint8, memory_format=self._memory_format()),
+            collate_fn=collate,
             pin_memory=self.pin_memory and self._on_cuda(),
             persistent_workers=self.workers > 0,
             drop_last=False,
@@ -456,6 +540,12 @@ class ImageFolderDataModule(pl.LightningDataModule):
             mean=self.mean,
             std=self.std,
         )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""
+        if isinstance(batch, EncodedBatch):
+            return batch.decode(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self) -> PrefetchLoader:
         return self._loader("train", train=True)

@@ -97,7 +97,8 @@ class CUDAPrefetcher:
             self._next = None
             return
         with torch.cuda.stream(self.stream):
-            batch = _to_device(batch, self.device)
+            decode = getattr(batch, "decode", None)  # an EncodedBatch: JPEGs decoded on the GPU
+            batch = decode(self.device) if decode is not None else _to_device(batch, self.device)
             if isinstance(batch, (list, tuple)) and isinstance(batch[0], Tensor) and batch[0].dtype == torch.uint8:
                 batch = [self.normalize(batch[0]), *batch[1:]]
         self._next = batch

@@ -1,0 +1,240 @@
+"""JPEG decoding on the GPU: the workers only read file bytes and draw the crops; nvJPEG decodes whole batches.
+
+With ``--data.decoder nvjpeg`` each loader worker reads a JPEG's bytes, parses its header for the
+image size and draws the random crop and flip (with the same random draws as the CPU decoders, so
+a seed gives the same crops on either path). A batch is collated as an ``EncodedBatch``: the
+encoded files, the crop boxes, the flips and the labels. On the device the batch is decoded with
+one batched ``torchvision.io.decode_jpeg(..., device="cuda")`` call, each crop is resized with
+antialiased bilinear interpolation (as ``RandomResizedCrop`` and ``Resize`` do on tensors), rounded
+to uint8 and written into one ``(N, 3, S, S)`` batch, ready for the usual normalisation.
+
+``gpu_share`` below 1 splits the work: the workers decode the other images themselves (with
+``torchvision.io``), and they arrive in the batch already cropped. Files that nvJPEG cannot read
+(PNG and other formats, or JPEGs it does not support) are decoded by the workers too; a file that
+neither can decode raises ``DataError`` naming it.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_jpeg, read_file
+from torchvision.transforms import RandomResizedCrop
+
+from lit_imagenet.errors import DataError
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+class CropBox(NamedTuple):
+    """A region of a source image, in pixels."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+
+
+class EncodedImage(NamedTuple):
+    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
+
+    data: Tensor
+    box: CropBox
+    size: int
+    flip: bool
+    path: str
+
+
+def gpu_decodable(data: Tensor) -> bool:
+    """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
+    return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
+
+
+def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
+    """``(height, width)`` from the header of an encoded image, without decoding it.
+
+    Raises:
+        DataError: The header cannot be read; the message names the file.
+    """
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+            width, height = img.size
+    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
+        raise DataError(
+            f"Cannot decode image {path} ({type(err).__name__}: {err}); replace or remove the file."
+        ) from None
+    return height, width
+
+
+def random_crop_box(
+    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float] = (3 / 4, 4 / 3)
+) -> CropBox:
+    """The box ``RandomResizedCrop`` would cut from an image of this size, drawn from torch's generator."""
+    shape_only = torch.empty(()).expand(3, height, width)  # get_params reads only the shape
+    top, left, h, w = RandomResizedCrop.get_params(shape_only, list(scale), list(ratio))  # type: ignore[arg-type]
+    return CropBox(int(top), int(left), int(h), int(w))
+
+
+def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
+    """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
+    short, long = (height, width) if height <= width else (width, height)
+    new_long = int(resize * long / short)
+    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
+    top = int(round((new_h - crop) / 2.0))
+    left = int(round((new_w - crop) / 2.0))
+    scale_h, scale_w = height / new_h, width / new_w
+    src_top, src_left = int(round(top * scale_h)), int(round(left * scale_w))
+    src_h = max(1, min(height - src_top, int(round(crop * scale_h))))
+    src_w = max(1, min(width - src_left, int(round(crop * scale_w))))
+    return CropBox(src_top, src_left, src_h, src_w)
+
+
+def read_bytes(path: str) -> Tensor:
+    """A file's bytes as a uint8 tensor.
+
+    Raises:
+        DataError: The file cannot be read; the message names it.
+    """
+    try:
+        return read_file(path)
+    except Exception as err:
+        raise DataError(
+            f"Cannot read image {path} ({type(err).__name__}: {err}); replace or remove the file."
+        ) from None
+
+
+def gpu_share_picks(index: int, share: float) -> bool:
+    """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
+    if share >= 1.0:
+        return True
+    if share <= 0.0:
+        return False
+    return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
+
+
+@dataclass
+class EncodedBatch:
+    """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
+
+    Attributes:
+        targets: int64 ``(N,)`` labels, in batch order.
+        encoded: The images to decode on the device.
+        encoded_positions: Their positions in the batch.
+        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded already (or ``None``).
+        decoded_positions: Their positions in the batch.
+        size: The side ``S`` of the output images.
+        memory_format: Of the output batch.
+    """
+
+    targets: Tensor
+    encoded: list[EncodedImage]
+    encoded_positions: list[int]
+    decoded: Tensor | None
+    decoded_positions: list[int]
+    size: int
+    memory_format: torch.memory_format = field(default=torch.contiguous_format)
+
+    def __len__(self) -> int:
+        return int(self.targets.shape[0])
+
+    def pin_memory(self) -> EncodedBatch:
+        """Pins the labels and the worker-decoded images; the encoded bytes are read by nvJPEG as they are."""
+        decoded = self.decoded.pin_memory() if self.decoded is not None else None
+        return EncodedBatch(
+            self.targets.pin_memory(),
+            self.encoded,
+            self.encoded_positions,
+            decoded,
+            self.decoded_positions,
+            self.size,
+            self.memory_format,
+        )
+
+    def decode(self, device: torch.device | str) -> list[Tensor]:
+        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
+
+        Runs on the current CUDA stream (the prefetcher's side stream when it calls this).
+
+        Raises:
+            DataError: An image cannot be decoded; the message names the file.
+        """
+        device = torch.device(device)
+        n = len(self)
+        images = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=device)
+        images = images.contiguous(memory_format=self.memory_format)
+        if self.decoded is not None and self.decoded_positions:
+            where = torch.tensor(self.decoded_positions, dtype=torch.int64, device=device)
+            images.index_copy_(0, where, self.decoded.to(device, non_blocking=True))
+        if self.encoded:
+            pictures = _decode_all(self.encoded, device)
+            flipped: list[int] = []
+            for pos, item, picture in zip(self.encoded_positions, self.encoded, pictures):
+                box = item.box
+                region = picture[:, box.top : box.top + box.height, box.left : box.left + box.width]
+                resized = F.interpolate(
+                    region.unsqueeze(0).float(), size=(self.size, self.size), mode="bilinear",
+                    align_corners=False, antialias=True,
+                )  # fmt: skip
+                images[pos].copy_(resized[0].round_().clamp_(0, 255))
+                if item.flip:
+                    flipped.append(pos)
+            if flipped:
+                where = torch.tensor(flipped, dtype=torch.int64, device=device)
+                images.index_copy_(0, where, images.index_select(0, where).flip(-1))
+        return [images, self.targets.to(device, non_blocking=True)]
+
+
+def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:
+    """Decodes all images in one batched call; if that fails, one by one, to name the bad file."""
+    data = [item.data for item in items]
+    try:
+        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+    except RuntimeError:
+        pass
+    out = []
+    for item in items:
+        try:
+            out.append(decode_jpeg(item.data, mode=ImageReadMode.RGB, device=device))
+        except RuntimeError:
+            out.append(_decode_on_cpu(item).to(device))
+    return out
+
+
+def _decode_on_cpu(item: EncodedImage) -> Tensor:
+    from lit_imagenet.data import load_rgb_tensor
+
+    return load_rgb_tensor(item.path)
+
+
+def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format) -> EncodedBatch:
+    """Collates ``(EncodedImage or uint8 (3, S, S) tensor, label)`` pairs into an ``EncodedBatch``."""
+    if not batch:
+        raise ValueError("Cannot collate an empty batch.")
+    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
+    encoded: list[EncodedImage] = []
+    encoded_positions: list[int] = []
+    decoded: list[Tensor] = []
+    decoded_positions: list[int] = []
+    size: int | None = None
+    for pos, (item, _) in enumerate(batch):
+        side = item.size if isinstance(item, EncodedImage) else int(item.shape[-1])
+        if size is None:
+            size = side
+        elif side != size:
+            raise ValueError(f"All images of a batch need one size. Image 0 is {size}, image {pos} is {side}")
+        if isinstance(item, EncodedImage):
+            encoded.append(item)
+            encoded_positions.append(pos)
+        else:
+            decoded.append(item)
+            decoded_positions.append(pos)
+    stacked = torch.stack(decoded) if decoded else None
+    assert size is not None
+    return EncodedBatch(targets, encoded, encoded_positions, stacked, decoded_positions, size, memory_format)

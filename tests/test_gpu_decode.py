@@ -1,0 +1,136 @@
+"""The nvjpeg decoder's CPU-visible parts: crops, the CPU/GPU split, collation, errors; decoding runs on CPU here."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision import transforms
+
+from lit_imagenet.data import DataError, EncodedImageFolderDataset, ImageFolderDataModule, load_rgb_tensor
+from lit_imagenet.gpu_decode import (
+    CropBox,
+    EncodedBatch,
+    EncodedImage,
+    center_crop_box,
+    collate_encoded,
+    gpu_share_picks,
+    random_crop_box,
+)
+
+
+def _module(root: Path, decoder: str, **kwargs) -> ImageFolderDataModule:
+    return ImageFolderDataModule(str(root), batch_size=6, workers=0, crop_size=32, val_resize=36, decoder=decoder,
+                                 seed=3, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5, 0.0])
+def test_training_batches_equal_the_torchvision_decoder(shapes_root: Path, share: float) -> None:
+    """Same seed, same crops and flips: on CPU the decoded batch is identical to the CPU decoder's."""
+    reference = next(iter(_module(shapes_root, "torchvision").train_dataloader()))
+    batch = next(iter(_module(shapes_root, "nvjpeg", gpu_share=share).train_dataloader()))
+    assert isinstance(batch, EncodedBatch)
+    if share == 1.0:
+        assert batch.decoded is None and len(batch.encoded) == 6
+    if share == 0.0:
+        assert not batch.encoded and batch.decoded is not None
+    images, targets = batch.decode("cpu")
+    assert images.dtype == torch.uint8 and images.shape == reference[0].shape
+    assert torch.equal(targets, reference[1])
+    assert torch.equal(images, reference[0])
+
+
+def test_validation_crops_are_the_resize_and_centre_crop(shapes_root: Path) -> None:
+    reference = next(iter(_module(shapes_root, "torchvision").val_dataloader()))
+    images, targets = next(iter(_module(shapes_root, "nvjpeg").val_dataloader())).decode("cpu")
+    assert torch.equal(targets, reference[1])
+    # One crop-and-resize instead of a resize and then a crop: the edges are resampled slightly differently.
+    assert (images.float() - reference[0].float()).abs().mean() < 2.0
+
+
+def test_channels_last_batches_stay_channels_last(shapes_root: Path) -> None:
+    images, _ = next(iter(_module(shapes_root, "nvjpeg", channels_last=True).train_dataloader())).decode("cpu")
+    assert images.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize(("height", "width"), [(375, 500), (500, 375), (256, 256), (300, 1200)])
+def test_centre_crop_box_matches_resize_then_crop(height: int, width: int) -> None:
+    box = center_crop_box(height, width, resize=256, crop=224)
+    scale = 256 / min(height, width)
+    assert box.height == pytest.approx(224 / scale, abs=1) and box.width == pytest.approx(224 / scale, abs=1)
+    assert box.top == pytest.approx((height - box.height) / 2, abs=1)
+    assert box.left == pytest.approx((width - box.width) / 2, abs=1)
+
+
+def test_random_crop_box_draws_as_random_resized_crop() -> None:
+    for seed in range(20):
+        torch.manual_seed(seed)
+        ours = random_crop_box(375, 500, (0.08, 1.0))
+        torch.manual_seed(seed)
+        theirs = transforms.RandomResizedCrop.get_params(torch.empty(3, 375, 500), [0.08, 1.0], [3 / 4, 4 / 3])
+        assert tuple(ours) == tuple(theirs)
+
+
+def test_gpu_share_spreads_evenly() -> None:
+    picked = sum(gpu_share_picks(i, 0.3) for i in range(10_000))
+    assert 2_800 < picked < 3_200
+    assert all(gpu_share_picks(i, 1.0) for i in range(100)) and not any(gpu_share_picks(i, 0.0) for i in range(100))
+
+
+def test_files_that_are_not_jpeg_are_decoded_by_the_workers(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        folder = tmp_path / split / "a"
+        folder.mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(folder / "x.png")
+        Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8)).save(folder / "y.jpg", quality=90)
+    dm = ImageFolderDataModule(str(tmp_path), batch_size=2, workers=0, crop_size=32, val_resize=36, decoder="nvjpeg")
+    batch = next(iter(dm.val_dataloader()))
+    assert [Path(e.path).name for e in batch.encoded] == ["y.jpg"] and batch.decoded_positions == [0]
+    images, _ = batch.decode("cpu")
+    assert images.shape == (2, 3, 32, 32)
+
+
+def test_a_corrupt_jpeg_is_named(shapes_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(shapes_root, root)
+    victim = sorted((root / "val").rglob("*.jpg"))[1]
+    data = victim.read_bytes()
+    victim.write_bytes(data[:200])  # a JPEG header, then nothing
+    dm = ImageFolderDataModule(str(root), batch_size=4, workers=0, crop_size=32, val_resize=36, decoder="nvjpeg")
+    with pytest.raises(DataError, match=str(victim)):
+        for batch in dm.val_dataloader():
+            batch.decode("cpu")
+
+
+def test_collate_refuses_mixed_sizes() -> None:
+    data = torch.zeros(10, dtype=torch.uint8)
+    items = [
+        (EncodedImage(data, CropBox(0, 0, 4, 4), 32, False, "a.jpg"), 0),
+        (torch.zeros(3, 16, 16, dtype=torch.uint8), 1),
+    ]
+    with pytest.raises(ValueError, match="one size"):
+        collate_encoded(items, torch.contiguous_format)
+
+
+@pytest.mark.gpu
+def test_pinning_keeps_the_batch(shapes_root: Path) -> None:
+    batch = next(iter(_module(shapes_root, "nvjpeg", gpu_share=0.5).train_dataloader()))
+    pinned = batch.pin_memory()
+    assert pinned.targets.is_pinned() and len(pinned.encoded) == len(batch.encoded)
+
+
+def test_gpu_share_is_checked(shapes_root: Path) -> None:
+    with pytest.raises(ValueError, match="gpu_share"):
+        _module(shapes_root, "nvjpeg", gpu_share=1.5)
+
+
+def test_worker_side_decoding_matches_load_rgb_tensor(shapes_root: Path) -> None:
+    dm = _module(shapes_root, "nvjpeg", gpu_share=0.0)
+    dataset = EncodedImageFolderDataset(dm.samples("val"), dm.eval_transform(), False, 32, (0.08, 1.0), 36, 0.0)
+    image, label = dataset[0]
+    path, expected_label = dm.samples("val")[0]
+    assert label == expected_label
+    assert torch.equal(image, dm.eval_transform()(load_rgb_tensor(path)))
