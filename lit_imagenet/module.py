@@ -57,6 +57,12 @@ class ImageClassifier(pl.LightningModule):
             uses a CUDA device.
         class_names: Class names in label order; the command line takes them from the data and
             they are stored in checkpoints.
+        compile: Compile the network with ``torch.compile`` (in place, ``nn.Module.compile``: the
+            parameter names, and so the checkpoints, are those of the plain network). The first
+            steps take longer while it compiles.
+        fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
+            same pass. ``None``: on when the parameters are on a CUDA device and the precision is
+            Lightning's own (not apex AMP, which manages the optimizer itself).
     """
 
     def __init__(
@@ -75,6 +81,8 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
+        compile: bool = False,
+        fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         if class_names is not None and len(class_names) != num_classes:
@@ -99,6 +107,7 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.persistent(True)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self._compiled = False
 
     @override
     def forward(self, images: Tensor) -> Tensor:
@@ -119,6 +128,9 @@ class ImageClassifier(pl.LightningModule):
             use = self.trainer.strategy.root_device.type == "cuda"
         if use:
             self.model.to(memory_format=torch.channels_last)
+        if self.hparams.get("compile") and stage == "fit" and not self._compiled:
+            self.model.compile()
+            self._compiled = True
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Parameters of the classifier head (the network's final ``nn.Linear``)."""
@@ -234,7 +246,9 @@ class ImageClassifier(pl.LightningModule):
             {"params": self.head_parameters(), "lr": base_lr},
             {"params": self.backbone_parameters(), "lr": base_lr * hp.backbone_lr_scale},
         ]
-        optimizer = torch.optim.SGD(groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay)
+        optimizer = torch.optim.SGD(
+            groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay, **self._sgd_implementation()
+        )
         schedule: WarmupMultiStep | WarmupCosine
         if hp.lr_schedule == "cosine":
             max_epochs = self.trainer.max_epochs
@@ -245,6 +259,14 @@ class ImageClassifier(pl.LightningModule):
             schedule = WarmupMultiStep(1, hp.warmup_epochs, hp.milestones, hp.lr_gamma)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _sgd_implementation(self) -> dict[str, bool]:
+        fused = self.hparams.get("fused_optimizer")
+        if fused is None:
+            on_cuda = next(self.model.parameters()).device.type == "cuda"
+            plugin = type(self.trainer.precision_plugin).__name__ if self._trainer is not None else ""
+            fused = on_cuda and plugin != "ApexAMP"
+        return {"fused": True} if fused else {}
 
     @override
     def on_train_start(self) -> None:

@@ -79,3 +79,34 @@ def test_uint8_and_float_inputs_give_the_same_logits() -> None:
     floats = (images.float() / 255 - mean) / std
     with torch.no_grad():
         torch.testing.assert_close(model(images), model(floats), rtol=1e-4, atol=1e-4)
+
+
+def test_compile_keeps_parameter_names(tmp_path: Path) -> None:
+    """``compile`` compiles the network in place: checkpoints keep the plain network's names."""
+    plain = ImageClassifier("resnet18", num_classes=3)
+    compiled = ImageClassifier("resnet18", num_classes=3, compile=True)
+    compiled.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    compiled.setup("fit")
+    assert compiled.model._compiled_call_impl is not None
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(compiled.state_dict())
+
+
+def test_sgd_is_fused_only_where_it_can_be() -> None:
+    model = ImageClassifier("resnet18", num_classes=3)
+    assert model._sgd_implementation() == {}  # CPU parameters, no trainer
+    model.hparams.fused_optimizer = True
+    assert model._sgd_implementation() == {"fused": True}
+
+
+def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> None:
+    from lit_imagenet.cli import main
+    from lit_imagenet.synthetic import SyntheticDataModule
+
+    cli = main(["fit", "--trainer.accelerator", "cpu", "--model.arch", "resnet18", "--data.batch_size", "4",
+                "--data.crop_size", "32", "--data.num_classes", "3", "--data.train_steps", "3", "--data.val_steps", "1",
+                "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+                "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)],
+               datamodule_class=SyntheticDataModule)  # fmt: skip
+    assert cli.trainer.global_step == 3
+    assert cli.model.hparams.num_classes == 3 and cli.model.hparams.class_names == ["class_0", "class_1", "class_2"]
