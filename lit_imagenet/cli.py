@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 from jsonargparse import lazy_instance
-from pytorch_lightning import Trainer
+from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info
@@ -115,6 +115,7 @@ class ImageNetCLI(LightningCLI):
         self._model_config = dict(config.get("model") or {})
         if (
             config.get("data") is not None
+            and "root" in config.data
             and config.data.get("root") is None
             and not self._model_config.get("num_classes")
         ):
@@ -207,17 +208,21 @@ def _user_message(err: BaseException) -> str:
     return text
 
 
-def main(args: list[str] | None = None, run: bool = True) -> ImageNetCLI:
+def main(
+    args: list[str] | None = None, run: bool = True, datamodule_class: type[LightningDataModule] = ImageFolderDataModule
+) -> ImageNetCLI:
     """Runs the command line; a data or configuration error prints one line and exits with status 2.
 
     Args:
         args: The arguments; ``None`` reads ``sys.argv``.
         run: ``False`` only parses and builds the model, data and trainer (no subcommand), as in a notebook.
+        datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
+            and ``num_classes``, and a ``channels_last`` argument.
     """
     try:
         return ImageNetCLI(
             ImageClassifier,
-            ImageFolderDataModule,
+            datamodule_class,
             trainer_defaults=_trainer_defaults(),
             save_config_kwargs={"overwrite": True},
             args=args,

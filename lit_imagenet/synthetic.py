@@ -14,10 +14,14 @@ import json
 import math
 import random
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytorch_lightning as pl
+import torch
 from PIL import Image, ImageDraw
 
 SHAPES = ("circle", "square", "triangle", "cross", "ring", "star")
@@ -146,3 +150,88 @@ if __name__ == "__main__":
     from jsonargparse import CLI
 
     CLI(make_shapes)
+
+
+class SyntheticBatches:
+    """``steps`` times the same ``[uint8 images, int64 targets]`` batch, made on ``device`` at each pass."""
+
+    def __init__(
+        self, steps: int, batch_size: int, crop_size: int, num_classes: int, device: Any, channels_last: bool
+    ) -> None:
+        self.steps = steps
+        self.batch_size = batch_size
+        self.crop_size = crop_size
+        self.num_classes = num_classes
+        self.device = device
+        self.channels_last = channels_last
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        device = torch.device(self.device if self.device is not None else "cpu")
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (self.batch_size, 3, self.crop_size, self.crop_size)
+        images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        targets = torch.randint(0, self.num_classes, (self.batch_size,), device=device, generator=g)
+        return iter([images, targets] for _ in range(self.steps))
+
+
+class SyntheticDataModule(pl.LightningDataModule):
+    """Random uint8 batches made on the training device: ``fit`` with no loading, decoding or copying.
+
+    Measures what the training loop itself costs: the same random batch every step, already on the
+    GPU (the device is handed over by the ``CUDAPrefetch`` callback), normalised by the model like any
+    uint8 batch. ``benchmarks/throughput.py`` compares it with a hand-written loop.
+
+    Args:
+        batch_size: Images per batch in each process.
+        crop_size: Side of the square images.
+        num_classes: Number of classes of the random labels.
+        train_steps: Batches per training epoch.
+        val_steps: Batches per validation pass.
+        channels_last: Make the batches channels_last. ``None``: on when the run uses a CUDA device.
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 256,
+        crop_size: int = 224,
+        num_classes: int = 1000,
+        train_steps: int = 100,
+        val_steps: int = 2,
+        channels_last: bool | None = None,
+    ) -> None:
+        super().__init__()
+        if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
+            raise ValueError("batch_size, crop_size, num_classes and train_steps must be positive.")
+        self.batch_size = batch_size
+        self.crop_size = crop_size
+        self.classes = [f"class_{i}" for i in range(num_classes)]
+        self.train_steps = train_steps
+        self.val_steps = val_steps
+        self.channels_last = channels_last
+        #: Set by the ``CUDAPrefetch`` callback: where the batches are made.
+        self.prefetch_device: torch.device | None = None
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes of the labels."""
+        return len(self.classes)
+
+    def _batches(self, steps: int) -> SyntheticBatches:
+        device = self.prefetch_device
+        if device is None and self.trainer is not None:
+            device = self.trainer.strategy.root_device
+        channels_last = self.channels_last
+        if channels_last is None:
+            channels_last = device is not None and torch.device(device).type == "cuda"
+        return SyntheticBatches(steps, self.batch_size, self.crop_size, self.num_classes, device, channels_last)
+
+    def train_dataloader(self) -> SyntheticBatches:
+        return self._batches(self.train_steps)
+
+    def val_dataloader(self) -> SyntheticBatches:
+        return self._batches(self.val_steps)
