@@ -30,6 +30,9 @@ SETTINGS = {
     "O3": ["--amp.opt_level", "O3", "--amp.keep_batchnorm_fp32", "true", "--amp.backend", "apex"],
     "16-mixed": ["--trainer.precision", "16-mixed"],
     "bf16-mixed": ["--trainer.precision", "bf16-mixed"],
+    "32-true": ["--trainer.precision", "32-true"],
+    "16-true": ["--trainer.precision", "16-true"],
+    "bf16-true": ["--trainer.precision", "bf16-true"],
     "O1-native": ["--amp.opt_level", "O1", "--amp.backend", "native", "--amp.loss_scale", "128"],
     "O2-syncbn": ["--amp.opt_level", "O2", "--amp.backend", "apex", "--trainer.sync_batchnorm", "true"],
     "16-mixed-syncbn": ["--trainer.precision", "16-mixed", "--trainer.sync_batchnorm", "true"],
@@ -54,15 +57,16 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--workers", type=int, default=15)
     parser.add_argument("--settings", nargs="+", default=["O1", "O2", "O3", "16-mixed", "bf16-mixed"])
-    parser.add_argument("--train-per-class", type=int, default=4267)
+    parser.add_argument("--train-per-class", type=int, default=4267, help="6 classes: 25,602 images")
+    parser.add_argument("--val-per-class", type=int, default=100)
     parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
     args = parser.parse_args()
 
     sys.path.insert(0, str(REPO))  # runs from a checkout, installed or not
     from lit_imagenet.synthetic import make_shapes
 
-    make_shapes(args.data, train_per_class=args.train_per_class, val_per_class=100, width=160, height=120,
-                processes=os.cpu_count() or 1)  # fmt: skip
+    make_shapes(args.data, train_per_class=args.train_per_class, val_per_class=args.val_per_class, width=160,
+                height=120, processes=os.cpu_count() or 1)  # fmt: skip
     common = [
         "--config", str(REPO / "configs/resnet50.yaml"), "--data.root", args.data,
         "--data.workers", str(args.workers), "--trainer.devices", str(args.devices),

@@ -3,26 +3,33 @@
 For each architecture, on one generated folder of JPEGs (``lit_imagenet.synthetic.make_shapes``,
 ~500x375 at quality 90 by default, as ``benchmarks/fit_resnet50.sh``), it measures side by side:
 
-* ``model-alone``: SGD steps on random normalised float batches already on the device
-  (channels_last, float16 autocast with a gradient scaler on CUDA, float32 on CPU); warm-up steps,
-  then timed steps between CUDA events. The ceiling for the other rows.
+* ``model-alone``: a hand-written loop on a random uint8 batch already on the device, normalised
+  on the device at each step (channels_last, float16 autocast with a gradient scaler on CUDA,
+  float32 on CPU; SGD, fused on CUDA as ``fit`` uses it). The ceiling for the rows that load data.
+* ``fit-synthetic``: the project's ``fit`` (``benchmarks/fit_synthetic.py``: the same command line
+  with ``SyntheticDataModule``) doing the same work as ``model-alone``: random uint8 batches made
+  on the GPU, same steps per epoch, no validation or checkpoint. What Lightning costs.
 * ``loop``: the reference's training loop written out by hand: ``ImageFolderDataset`` (PIL decoding,
   RandomResizedCrop, flip) in a ``DataLoader`` with ``collate_uint8`` (channels_last), persistent
   workers and pinned memory, the project's ``CUDAPrefetcher`` (side-stream copy and normalisation),
   ``torch.autocast`` with ``torch.amp.GradScaler``, and SGD with the recipe's hyperparameters (at a
-  constant learning rate). Timed over whole epochs, epoch start included; on CPU the batches are
-  normalised with ``Uint8Normalize`` instead of the prefetcher.
+  constant learning rate). On CPU the batches are normalised with ``Uint8Normalize``.
 * ``fit-<decoder>``: ``train.py fit --config configs/resnet50.yaml`` in a subprocess, one row per
-  ``--data.decoder``; the last epoch's images/s (over all processes, epoch start included, with 2
-  validation batches and the checkpoint save) and peak GPU memory from the ``Throughput`` callback.
+  ``--data.decoder`` (``nvjpeg@0.4`` means ``--data.decoder nvjpeg --data.gpu_share 0.4``), with
+  2 validation batches and the checkpoint save in each epoch, as a real run has.
 
-``model-alone`` and ``loop`` run on one device; ``--devices N`` makes the ``fit`` rows use N GPUs
-under DDP. The ratio column divides each row's images/s by the ``model-alone`` images/s of the same
-architecture. The table is printed and written to ``OUT/throughput.json`` (with the hardware and
-versions) and ``OUT/throughput.png``.
+Every row is timed over whole epochs with the host clock, epoch start included, and the GPU
+synchronised at each epoch's start and end; the row reports the last epoch (``--epochs``, 2 by
+default: the first one pays for cuDNN's autotuning, compilation and starting the workers). Peak
+memory is the largest ``torch.cuda.max_memory_allocated`` of that epoch (memory nvJPEG allocates
+for itself is not counted there). ``model-alone`` and ``loop`` run on one device; ``--devices 1 2``
+runs every ``fit`` row on 1 and on 2 GPUs (DDP). The ratio column divides each row's images/s by
+the ``model-alone`` images/s of the same architecture. ``--compile`` compiles the network in
+``model-alone`` and in every ``fit`` row. The table is printed and written to ``OUT/throughput.json``
+(with the hardware and versions) and ``OUT/throughput.png``.
 
-    python benchmarks/throughput.py --out runs/throughput
-    python benchmarks/throughput.py --out runs/throughput2 --devices 2 --archs resnet50
+    python benchmarks/throughput.py --out runs/throughput --devices 1 2
+    python benchmarks/throughput.py --out runs/throughput-r50 --archs resnet50 --decoders nvjpeg nvjpeg@0.5
     python benchmarks/throughput.py --out /tmp/tp --smoke   # CPU, tiny sizes, well under a minute
 """
 
@@ -46,6 +53,16 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(r"Epoch (\d+): ([\d,.]+) images/s .*?(?:peak GPU memory ([\d.]+) GiB)?$")
 LR_PER_256, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-4  # configs/resnet50.yaml
+DECODER = re.compile(r"^(pil|torchvision|nvjpeg)(?:@([01](?:\.\d+)?))?$")
+
+
+def _decoder(text: str) -> str:
+    match = DECODER.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not pil, torchvision, nvjpeg or nvjpeg@SHARE (0 to 1)")
+    if match.group(2) is not None and (match.group(1) != "nvjpeg" or not 0 <= float(match.group(2)) <= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: only nvjpeg takes a GPU share, between 0 and 1")
+    return text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,14 +71,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny data and model steps: checks the script")
     parser.add_argument("--data", default=None, help="shapes folder (default /tmp/lit_imagenet_jpeg500)")
     parser.add_argument("--archs", nargs="+", default=None, help="default resnet50 resnet18 (smoke: resnet18)")
-    parser.add_argument("--decoders", nargs="+", default=["pil", "torchvision"], choices=["pil", "torchvision"])
-    parser.add_argument("--devices", type=int, default=1, help="GPUs of the fit rows (DDP when more than 1)")
+    parser.add_argument("--decoders", nargs="+", type=_decoder, default=["pil", "torchvision", "nvjpeg"],
+                        help="fit rows: pil, torchvision, nvjpeg, or nvjpeg@SHARE (the GPU's share)")  # fmt: skip
+    parser.add_argument("--devices", type=int, nargs="+", default=[1], help="GPU counts of the fit rows (DDP if > 1)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["model-alone", "fit-synthetic", "loop"],
+                        help="leave out these rows (model-alone is needed for the ratios)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="torch.compile the network (model-alone, fit rows)")
+    parser.add_argument("--cpus-per-gpu", type=int, default=None,
+                        help="run each row on the first N CPUs per GPU it uses (default: all CPUs)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=None, help="loader workers per process (default 15)")
     parser.add_argument("--batch-size", type=int, default=None, help="per device (default 256)")
     parser.add_argument("--crop-size", type=int, default=None, help="default 224")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs of the loop and fit rows (default 2)")
-    parser.add_argument("--model-steps", type=int, default=None, help="timed model-alone steps (default 50)")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="model-alone warm-up steps (default 10)")
+    parser.add_argument(
+        "--epochs", type=int, default=None, help="epochs of every row; the last is reported (default 2)"
+    )
+    parser.add_argument("--model-steps", type=int, default=None,
+                        help="steps per epoch of model-alone, fit-synthetic (default: the JPEG folder's)")  # fmt: skip
     parser.add_argument("--width", type=int, default=None, help="image width (default 500)")
     parser.add_argument("--height", type=int, default=None, help="image height (default 375)")
     parser.add_argument("--quality", type=int, default=90)
@@ -71,16 +96,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("extra", nargs="*", help="more train.py arguments for the fit rows, after --")
     args = parser.parse_args(argv)
     full = {"archs": ["resnet50", "resnet18"], "workers": 15, "batch_size": 256, "crop_size": 224, "epochs": 2,
-            "model_steps": 50, "warmup_steps": 10, "width": 500, "height": 375, "train_per_class": 4267,
-            "val_per_class": 500, "num_classes": 6, "data": "/tmp/lit_imagenet_jpeg500"}  # fmt: skip
+            "width": 500, "height": 375, "train_per_class": 4267, "val_per_class": 500, "num_classes": 6,
+            "data": "/tmp/lit_imagenet_jpeg500"}  # fmt: skip
     smoke = {"archs": ["resnet18"], "workers": 0, "batch_size": 4, "crop_size": 32, "epochs": 1,
-             "model_steps": 2, "warmup_steps": 1, "width": 40, "height": 40, "train_per_class": 8,
-             "val_per_class": 2, "num_classes": 3, "data": str(args.out / "data")}  # fmt: skip
+             "width": 40, "height": 40, "train_per_class": 8, "val_per_class": 2, "num_classes": 3,
+             "data": str(args.out / "data")}  # fmt: skip
     for key, value in (smoke if args.smoke else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.devices < 1:
+    if args.model_steps is None:
+        args.model_steps = -(-args.num_classes * args.train_per_class // args.batch_size)
+    if min(args.devices) < 1:
         parser.error(f"--devices must be at least 1. Got {args.devices}")
+    if args.epochs < 1 or args.model_steps < 1:
+        parser.error("--epochs and --model-steps must be at least 1")
     return args
 
 
@@ -99,15 +128,18 @@ def _peak_memory(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
-def _training_parts(arch: str, num_classes: int, batch_size: int, device: torch.device) -> tuple[Any, ...]:
+def _training_parts(arch: str, args: argparse.Namespace, device: torch.device) -> tuple[Any, ...]:
     from lit_imagenet.models import build_model
     from lit_imagenet.schedule import scaled_lr
 
-    model = build_model(arch, num_classes).to(device, memory_format=torch.channels_last).train()
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=scaled_lr(LR_PER_256, batch_size), momentum=MOMENTUM, weight_decay=WEIGHT_DECAY
-    )
+    model = build_model(arch, args.num_classes).to(device, memory_format=torch.channels_last).train()
+    if args.compile:
+        model.compile()
     cuda = device.type == "cuda"
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=scaled_lr(LR_PER_256, args.batch_size), momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+        **({"fused": True} if cuda else {}),
+    )  # fmt: skip
     scaler = torch.amp.GradScaler(device.type, enabled=cuda)
     return model, optimizer, scaler, nn.CrossEntropyLoss().to(device)
 
@@ -129,32 +161,41 @@ def _step(
     scaler.update()
 
 
+def _timed_epochs(name: str, args: argparse.Namespace, device: torch.device, run_epoch: Any) -> dict[str, Any]:
+    """Runs ``run_epoch()`` (which returns its image count) ``args.epochs`` times; the last epoch is reported."""
+    epochs = []
+    for epoch in range(args.epochs):
+        _sync(device)
+        _reset_memory(device)
+        began = time.perf_counter()
+        count = run_epoch()
+        _sync(device)
+        seconds = time.perf_counter() - began
+        epochs.append({"epoch": epoch, "images": count, "seconds": seconds, "images_per_sec": count / seconds,
+                       "peak_memory_gib": _peak_memory(device)})  # fmt: skip
+        print(f"  {name} epoch {epoch}: {count / seconds:,.0f} images/s ({count:,} images in {seconds:.1f} s)")
+    last = epochs[-1]
+    return {"images_per_sec": last["images_per_sec"], "peak_memory_gib": last["peak_memory_gib"], "epochs": epochs}
+
+
 def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """SGD steps on random normalised batches already on the device."""
-    model, optimizer, scaler, criterion = _training_parts(arch, args.num_classes, args.batch_size, device)
+    """SGD steps on a random uint8 batch already on the device, normalised there at each step."""
+    from lit_imagenet.prefetch import Uint8Normalize
+
+    model, optimizer, scaler, criterion = _training_parts(arch, args, device)
+    normalize = Uint8Normalize().to(device)
     generator = torch.Generator(device=device).manual_seed(0)
     shape = (args.batch_size, 3, args.crop_size, args.crop_size)
-    images = torch.randn(shape, device=device, generator=generator).contiguous(memory_format=torch.channels_last)
+    images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator)
+    images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
-    for _ in range(args.warmup_steps):
-        _step(model, optimizer, scaler, criterion, images, targets, device)
-    _sync(device)
-    _reset_memory(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+
+    def run_epoch() -> int:
         for _ in range(args.model_steps):
-            _step(model, optimizer, scaler, criterion, images, targets, device)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1000.0
-    else:
-        began = time.perf_counter()
-        for _ in range(args.model_steps):
-            _step(model, optimizer, scaler, criterion, images, targets, device)
-        seconds = time.perf_counter() - began
-    images_per_sec = args.model_steps * args.batch_size / max(seconds, 1e-9)
-    return {"images_per_sec": images_per_sec, "peak_memory_gib": _peak_memory(device), "seconds": seconds}
+            _step(model, optimizer, scaler, criterion, normalize(images), targets, device)
+        return args.model_steps * args.batch_size
+
+    return _timed_epochs(f"model-alone {arch}", args, device, run_epoch)
 
 
 def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
@@ -178,13 +219,10 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
         persistent_workers=args.workers > 0,
         drop_last=False,
     )
-    model, optimizer, scaler, criterion = _training_parts(arch, args.num_classes, args.batch_size, device)
+    model, optimizer, scaler, criterion = _training_parts(arch, args, device)
     normalize = Uint8Normalize().to(device)
-    epochs = []
-    for epoch in range(args.epochs):
-        _sync(device)
-        _reset_memory(device)
-        began = time.perf_counter()
+
+    def run_epoch() -> int:
         count = 0
         if cuda:
             batches = CUDAPrefetcher(iter(loader), device, normalize)
@@ -193,35 +231,23 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
         for images, targets in batches:
             _step(model, optimizer, scaler, criterion, images, targets, device)
             count += int(images.shape[0])
-        _sync(device)
-        seconds = time.perf_counter() - began
-        epochs.append({"epoch": epoch, "images": count, "seconds": seconds, "images_per_sec": count / seconds})
-        print(f"  loop {arch} epoch {epoch}: {count / seconds:,.0f} images/s ({count:,} images in {seconds:.1f} s)")
-    del loader  # stops the persistent workers
-    last = epochs[-1]
-    return {"images_per_sec": last["images_per_sec"], "peak_memory_gib": _peak_memory(device), "epochs": epochs}
+        return count
+
+    return _timed_epochs(f"loop {arch}", args, device, run_epoch)  # the workers stop with the loader
 
 
-def fit(arch: str, decoder: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """``train.py fit`` in a subprocess; the last epoch's line of the ``Throughput`` callback."""
-    name = f"fit-{decoder}-{arch}"
-    out = args.out / "fit" / name
-    cmd = [
-        sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
-        "--model.arch", arch, "--data.decoder", decoder, "--data.root", str(root),
-        "--data.workers", str(args.workers), "--data.batch_size", str(args.batch_size),
-        "--data.crop_size", str(args.crop_size), "--data.val_resize", str(max(args.crop_size * 8 // 7, args.crop_size)),
-        "--trainer.devices", str(args.devices), "--trainer.max_epochs", str(args.epochs),
-        "--trainer.limit_val_batches", "2", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out),
-        "--trainer.logger.init_args.save_dir", str(out),
-    ]  # fmt: skip
-    if args.devices > 1:
-        cmd += ["--trainer.strategy", "ddp"]
-    if args.smoke or not torch.cuda.is_available():
-        cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
-    cmd += args.extra
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+def _cpus(args: argparse.Namespace, gpus: int) -> set[int] | None:
+    """The CPUs a row with ``gpus`` GPUs may use under ``--cpus-per-gpu`` (``None``: all)."""
+    if args.cpus_per_gpu is None:
+        return None
+    available = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    return set(available[: args.cpus_per_gpu * gpus])
+
+
+def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+    cpus = _cpus(args, gpus)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, preexec_fn=pin)
     text = proc.stdout + proc.stderr
     log = args.out / "logs" / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + text)
@@ -237,6 +263,54 @@ def fit(arch: str, decoder: str, args: argparse.Namespace, root: Path) -> dict[s
         "epochs": [{"epoch": int(e), "images_per_sec": float(r.replace(",", ""))} for e, r, _ in epochs],
         "log": str(log),
     }
+
+
+def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Path) -> list[str]:
+    cmd = [
+        "--model.arch", arch, "--trainer.devices", str(devices), "--trainer.max_epochs", str(args.epochs),
+        "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+        "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out),
+    ]  # fmt: skip
+    if devices > 1:
+        cmd += ["--trainer.strategy", "ddp"]
+    if args.compile:
+        cmd += ["--model.compile", "true"]
+    if args.smoke or not torch.cuda.is_available():
+        cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
+    return cmd
+
+
+def fit_synthetic(arch: str, devices: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``fit`` on random uint8 batches made on the GPU, with the settings of ``configs/resnet50.yaml``."""
+    name = f"fit-synthetic-{arch}-{devices}dev"
+    out = args.out / "fit" / name
+    cmd = [
+        sys.executable, str(REPO / "benchmarks/fit_synthetic.py"), "fit",
+        "--trainer.accelerator", "gpu", "--trainer.precision", "16-mixed", "--trainer.benchmark", "true",
+        "--trainer.log_every_n_steps", "10", "--data.batch_size", str(args.batch_size),
+        "--data.crop_size", str(args.crop_size), "--data.num_classes", str(args.num_classes),
+        "--data.train_steps", str(args.model_steps), "--data.val_steps", "0", "--data.channels_last", "true",
+        "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false",
+        *_common_fit_args(arch, devices, args, out), *args.extra,
+    ]  # fmt: skip
+    return _run_fit(name, cmd, args, devices)
+
+
+def fit(arch: str, decoder: str, devices: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """``train.py fit`` in a subprocess; the last epoch's line of the ``Throughput`` callback."""
+    kind, _, share = decoder.partition("@")
+    name = f"fit-{decoder}-{arch}-{devices}dev"
+    out = args.out / "fit" / name
+    cmd = [
+        sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
+        "--data.decoder", kind, "--data.root", str(root),
+        "--data.workers", str(args.workers), "--data.batch_size", str(args.batch_size),
+        "--data.crop_size", str(args.crop_size), "--data.val_resize", str(max(args.crop_size * 8 // 7, args.crop_size)),
+        "--trainer.limit_val_batches", "2", *_common_fit_args(arch, devices, args, out),
+    ]  # fmt: skip
+    if share:
+        cmd += ["--data.gpu_share", share]
+    return _run_fit(name, cmd + args.extra, args, devices)
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -269,7 +343,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     labels = [f"{r['arch']} {r['setting']} ({r['devices']} dev)" for r in rows]
     values = [r["images_per_sec"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    colours = {"model-alone": "C0", "loop": "C1"}
+    colours = {"model-alone": "C0", "fit-synthetic": "C3", "loop": "C1"}
     bars = ax.barh(range(len(rows)), values, color=[colours.get(r["setting"], "C2") for r in rows])
     ax.set_yticks(range(len(rows)), labels)
     ax.invert_yaxis()
@@ -294,27 +368,35 @@ def main(argv: list[str] | None = None) -> None:
                        width=args.width, height=args.height, num_classes=args.num_classes, quality=args.quality,
                        processes=1 if args.smoke else (os.cpu_count() or 1))  # fmt: skip
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    own_cpus = _cpus(args, 1)
+    if own_cpus:
+        os.sched_setaffinity(0, own_cpus)  # model-alone and loop use one GPU; the fit rows set their own
     torch.backends.cudnn.benchmark = True  # as configs/resnet50.yaml
     torch.manual_seed(0)
     rows: list[dict[str, Any]] = []
 
     def add(setting: str, arch: str, devices: int, result: dict[str, Any]) -> None:
-        rows.append({"setting": setting, "arch": arch, "devices": devices, **result})
+        alone = next((x for x in rows if x["arch"] == arch and x["setting"] == "model-alone"), None)
+        rate = result["images_per_sec"]
+        ratio = 1.0 if setting == "model-alone" else (rate / alone["images_per_sec"] if alone else float("nan"))
+        rows.append({"setting": setting, "arch": arch, "devices": devices, **result, "ratio": ratio})
         memory = result.get("peak_memory_gib")
-        print(f"{setting} {arch}: {result['images_per_sec']:,.1f} images/s"
+        print(f"{setting} {arch} ({devices} dev): {rate:,.1f} images/s, {ratio:.3f}x model alone"
               + (f", peak memory {memory:.2f} GiB" if memory is not None else ""), flush=True)  # fmt: skip
+        (args.out / "rows.partial.json").write_text(json.dumps(rows, indent=2, default=str))  # kept if cut short
 
     for arch in args.archs:
-        add("model-alone", arch, 1, model_alone(arch, args, device))
-        _reset_memory(device)
-        add("loop", arch, 1, hand_loop(arch, args, device, root))
-        _reset_memory(device)
-        for decoder in args.decoders:
-            add(f"fit-{decoder}", arch, args.devices, fit(arch, decoder, args, root))
-    for r in rows:
-        alone = next(x for x in rows if x["arch"] == r["arch"] and x["setting"] == "model-alone")
-        r["ratio"] = r["images_per_sec"] / alone["images_per_sec"]
-
+        if "model-alone" not in args.skip:
+            add("model-alone", arch, 1, model_alone(arch, args, device))
+            _reset_memory(device)
+        if "loop" not in args.skip:
+            add("loop", arch, 1, hand_loop(arch, args, device, root))
+            _reset_memory(device)
+        for devices in args.devices:
+            if "fit-synthetic" not in args.skip:
+                add("fit-synthetic", arch, devices, fit_synthetic(arch, devices, args))
+            for decoder in args.decoders:
+                add(f"fit-{decoder}", arch, devices, fit(arch, decoder, devices, args, root))
     env = environment(device)
     images = args.num_classes * args.train_per_class
     setup = (f"{images:,} JPEGs {args.width}x{args.height} q{args.quality}, crop {args.crop_size}, "

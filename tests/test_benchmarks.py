@@ -27,8 +27,10 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     assert [(r["setting"], r["arch"]) for r in rows] == [
         ("model-alone", "resnet18"),
         ("loop", "resnet18"),
+        ("fit-synthetic", "resnet18"),
         ("fit-pil", "resnet18"),
         ("fit-torchvision", "resnet18"),
+        ("fit-nvjpeg", "resnet18"),
     ]
     for row in rows:
         assert row["images_per_sec"] > 0, row
@@ -39,7 +41,7 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     env = report["environment"]
     for key in ("cpu_count", "torch", "torchvision", "pytorch_lightning"):
         assert env[key], key
-    assert "| fit-torchvision | resnet18 | 1 |" in proc.stdout
+    assert "| fit-nvjpeg | resnet18 | 1 |" in proc.stdout
 
     png = (out / "throughput.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000

@@ -110,3 +110,80 @@ def test_channels_last_16_mixed_fit(learnable_root: Path, tmp_path: Path) -> Non
     assert seen["weight"] is True
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
     assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
+
+
+def test_nvjpeg_batches_match_the_cpu_decoder(tmp_path: Path) -> None:
+    from lit_imagenet.synthetic import make_shapes
+
+    root = make_shapes(str(tmp_path / "jpeg"), train_per_class=6, val_per_class=4, width=160, height=120,
+                       num_classes=3)  # fmt: skip
+    for split in ("train", "val"):
+        batches = {}
+        for decoder in ("torchvision", "nvjpeg"):
+            dm = ImageFolderDataModule(str(root), batch_size=12, workers=0, crop_size=64, val_resize=72,
+                                       decoder=decoder, seed=5)  # fmt: skip
+            dm.prefetch_device = torch.device("cuda")
+            loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+            batches[decoder] = next(iter(loader))
+        cpu, gpu = batches["torchvision"], batches["nvjpeg"]
+        assert gpu[0].is_cuda and gpu[0].dtype == torch.float32
+        assert gpu[0].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(cpu[1].cpu(), gpu[1].cpu())
+        # Same crops and flips; nvJPEG's IDCT differs from libjpeg-turbo's by a few levels at most.
+        diff = (cpu[0].float() - gpu[0].float()).abs() * 0.226 * 255  # back to pixel levels
+        print(f"{split}: mean {diff.mean():.3f}, max {diff.max():.1f} levels")
+        assert diff.mean() < (1.0 if split == "train" else 2.0)
+
+
+def test_compiled_fit_saves_plain_parameter_names(tmp_path: Path) -> None:
+    from lit_imagenet.synthetic import SyntheticDataModule
+
+    dm = SyntheticDataModule(batch_size=8, crop_size=64, num_classes=4, train_steps=3, val_steps=1)
+    model = ImageClassifier("resnet18", num_classes=4, compile=True, warmup_epochs=0)
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="gpu", devices=1, precision="16-mixed", max_epochs=1,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(model, dm)
+    assert model.model._compiled_call_impl is not None
+    path = tmp_path / "compiled.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    assert not [k for k in state if "_orig_mod" in k]
+    plain = ImageClassifier.load_from_checkpoint(path, map_location="cpu", compile=False)
+    torch.testing.assert_close(plain.model.conv1.weight, model.model.conv1.weight.detach().cpu())
+
+
+def test_no_host_device_sync_between_log_steps(tmp_path: Path) -> None:
+    """Steps that do not log must queue GPU work without waiting for it (fused SGD, scaler, metrics)."""
+    import warnings
+
+    from lit_imagenet.callbacks import Throughput
+    from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard
+    from lit_imagenet.synthetic import SyntheticDataModule
+
+    every = 5
+    syncs: dict[int, int] = {}
+
+    class Watch(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._catch = warnings.catch_warnings(record=True)
+            self._seen = self._catch.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            torch.cuda.set_sync_debug_mode(0)
+            self._catch.__exit__(None, None, None)
+            syncs[batch_idx] = sum("synchroniz" in str(w.message) for w in self._seen)
+
+    dm = SyntheticDataModule(batch_size=8, crop_size=64, num_classes=4, train_steps=12, val_steps=0)
+    model = ImageClassifier("resnet18", num_classes=4, warmup_epochs=1)
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="gpu", devices=1, precision="16-mixed", max_epochs=1,
+                         log_every_n_steps=every, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         callbacks=[Watch(), ConsoleLog(), NonFiniteGuard(), Throughput()])  # fmt: skip
+    try:
+        trainer.fit(model, dm)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    quiet = {i: n for i, n in syncs.items() if i > 0 and (i + 1) % every != 0}
+    print("synchronisations per step:", syncs)
+    assert len(quiet) >= 7 and not any(quiet.values()), quiet
