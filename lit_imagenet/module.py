@@ -20,12 +20,18 @@ from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
-def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
+def accuracy_metrics(num_classes: int, prefix: str, validate_args: bool = True) -> MetricCollection:
+    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks.
+
+    ``validate_args=False`` skips torchmetrics' checks of the labels, which read GPU values on the host
+    (a synchronisation) at every update; the training metrics go without them.
+    """
     return MetricCollection(
         {
-            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
-            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
+            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro", validate_args=validate_args),
+            "top5": MulticlassAccuracy(
+                num_classes, top_k=min(5, num_classes), average="micro", validate_args=validate_args
+            ),
         },
         prefix=prefix,
     )
@@ -98,10 +104,12 @@ class ImageClassifier(pl.LightningModule):
         self.head_name = classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
         self.criterion = nn.CrossEntropyLoss()
-        self.train_metrics = accuracy_metrics(num_classes, "train/")
+        # No per-step host-device synchronisation in training: no label checks, no NaN check of the
+        # loss (NonFiniteGuard watches it on the device); validation keeps both.
+        self.train_metrics = accuracy_metrics(num_classes, "train/", validate_args=False)
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
-        self.train_loss = MeanMetric()
+        self.train_loss = MeanMetric(nan_strategy="disable")
         # Saved in checkpoints, so that an epoch resumed part-way reports the whole epoch's figures.
         self.train_metrics.persistent(True)
         self.train_loss.persistent(True)
@@ -246,9 +254,17 @@ class ImageClassifier(pl.LightningModule):
             {"params": self.head_parameters(), "lr": base_lr},
             {"params": self.backbone_parameters(), "lr": base_lr * hp.backbone_lr_scale},
         ]
+        implementation = self._sgd_implementation()
         optimizer = torch.optim.SGD(
-            groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay, **self._sgd_implementation()
+            groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay, **implementation
         )
+        if implementation.get("fused") and hp.momentum != 0:
+            # Fused SGD makes its momentum buffers with empty_like at its first step; when the gradient
+            # scaler skips that step (float16 overflow, common at the first steps), they stay garbage and
+            # the next step turns the weights into NaN. Zeros give the same first update (buffer = grad).
+            for group in groups:
+                for p in group["params"]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         schedule: WarmupMultiStep | WarmupCosine
         if hp.lr_schedule == "cosine":
             max_epochs = self.trainer.max_epochs

@@ -110,3 +110,24 @@ def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> No
                datamodule_class=SyntheticDataModule)  # fmt: skip
     assert cli.trainer.global_step == 3
     assert cli.model.hparams.num_classes == 3 and cli.model.hparams.class_names == ["class_0", "class_1", "class_2"]
+
+
+def test_fused_sgd_steps_like_plain_sgd_even_after_a_skipped_first_step() -> None:
+    """A first step skipped for inf gradients must not leave fused SGD's momentum buffers uninitialised."""
+    torch.manual_seed(0)
+    models = [ImageClassifier("resnet18", num_classes=3, fused_optimizer=f, warmup_epochs=0) for f in (False, True)]
+    models[1].load_state_dict(models[0].state_dict())
+    grads = [[torch.randn_like(p) for p in models[0].parameters()] for _ in range(3)]
+    for model in models:
+        model.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+        optimizer = model.configure_optimizers()["optimizer"]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+        scaler.scale(torch.ones(()))  # makes the scale tensor, as scaling a loss does
+        for step_grads in [None, *grads]:
+            for p, g in zip(model.parameters(), step_grads or grads[0]):
+                p.grad = torch.full_like(p, float("inf")) if step_grads is None else g.clone()
+            scaler.step(optimizer)  # the first step sees inf gradients and is skipped
+            scaler.update()
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b)
