@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from lit_imagenet.module import accuracy_metrics
+from lit_imagenet.module import accuracy_metrics, train_accuracy_metrics
 
 
 def reference_accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[float]:
@@ -10,9 +11,10 @@ def reference_accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) ->
     return [correct[:k].reshape(-1).float().sum().item() * 100.0 / target.size(0) for k in topk]
 
 
-def test_top1_top5_equal_reference_accuracy_over_batches() -> None:
+@pytest.mark.parametrize("make", [accuracy_metrics, train_accuracy_metrics])
+def test_top1_top5_equal_reference_accuracy_over_batches(make) -> None:
     torch.manual_seed(0)
-    metrics = accuracy_metrics(20, "val/")
+    metrics = make(20, "val/")
     all_logits, all_targets = [], []
     for n in (17, 64, 3):
         logits = torch.randn(n, 20)
@@ -28,7 +30,17 @@ def test_top1_top5_equal_reference_accuracy_over_batches() -> None:
     assert abs(got["val/top5"].item() * 100 - top5) < 1e-4
 
 
-def test_top5_is_capped_at_number_of_classes() -> None:
-    metrics = accuracy_metrics(3, "val/")
+@pytest.mark.parametrize("make", [accuracy_metrics, train_accuracy_metrics])
+def test_top5_is_capped_at_number_of_classes(make) -> None:
+    metrics = make(3, "val/")
     metrics.update(torch.randn(4, 3), torch.tensor([0, 1, 2, 0]))
     assert metrics.compute()["val/top5"].item() == 1.0
+
+
+def test_train_metrics_give_the_batch_value_when_called() -> None:
+    metrics = train_accuracy_metrics(4, "train/")
+    logits = torch.eye(4)[[0, 1, 2, 3]] * 5
+    step = metrics(logits, torch.tensor([0, 1, 3, 2]))
+    assert step["train/top1"].item() == 0.5 and step["train/top5"].item() == 1.0
+    metrics(logits, torch.tensor([0, 1, 2, 3]))
+    assert metrics.compute()["train/top1"].item() == 0.75
