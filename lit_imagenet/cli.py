@@ -220,7 +220,7 @@ def main(
             and ``num_classes``, and a ``channels_last`` argument.
     """
     try:
-        return ImageNetCLI(
+        cli = ImageNetCLI(
             ImageClassifier,
             datamodule_class,
             trainer_defaults=_trainer_defaults(),
@@ -228,6 +228,11 @@ def main(
             args=args,
             run=run,
         )
+        if run and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Left to interpreter shutdown, the process group's threads can abort the process
+            # ("terminate called without an active exception") after a run that succeeded.
+            torch.distributed.destroy_process_group()
+        return cli
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
