@@ -174,20 +174,20 @@ class EncodedBatch:
             images.index_copy_(0, where, self.decoded.to(device, non_blocking=True))
         if self.encoded:
             pictures = _decode_all(self.encoded, device)
-            flipped: list[int] = []
-            for pos, item, picture in zip(self.encoded_positions, self.encoded, pictures):
+            side = self.size
+            resized = torch.empty((len(self.encoded), 3, side, side), dtype=torch.float32, device=device)
+            for k, (item, picture) in enumerate(zip(self.encoded, pictures)):
                 box = item.box
                 region = picture[:, box.top : box.top + box.height, box.left : box.left + box.width]
-                resized = F.interpolate(
-                    region.unsqueeze(0).float(), size=(self.size, self.size), mode="bilinear",
-                    align_corners=False, antialias=True,
-                )  # fmt: skip
-                images[pos].copy_(resized[0].round_().clamp_(0, 255))
-                if item.flip:
-                    flipped.append(pos)
-            if flipped:
-                where = torch.tensor(flipped, dtype=torch.int64, device=device)
-                images.index_copy_(0, where, images.index_select(0, where).flip(-1))
+                resized[k] = F.interpolate(
+                    region.unsqueeze(0).float(), size=(side, side), mode="bilinear", align_corners=False, antialias=True
+                )[0]
+            flips = [k for k, item in enumerate(self.encoded) if item.flip]
+            if flips:
+                which = torch.tensor(flips, dtype=torch.int64, device=device)
+                resized.index_copy_(0, which, resized.index_select(0, which).flip(-1))
+            where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
+            images.index_copy_(0, where, resized.round_().clamp_(0, 255).to(torch.uint8))
         return [images, self.targets.to(device, non_blocking=True)]
 
 
