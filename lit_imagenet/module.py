@@ -210,17 +210,33 @@ class ImageClassifier(pl.LightningModule):
             return []
         return [CUDAPrefetch()]
 
+    def _logs_this_step(self, batch_idx: int) -> bool:
+        """Whether Lightning writes the step metrics after this batch, or it ends the epoch or the run."""
+        trainer = self.trainer
+        if getattr(trainer._logger_connector, "should_update_logs", True):
+            return True
+        if 0 < trainer.max_steps <= trainer.global_step + 1:
+            return True
+        batches = trainer.num_training_batches
+        return not math.isinf(batches) and batch_idx + 1 >= batches
+
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         images, targets = batch[0], batch[1]
         logits = self(images)
         loss = self.criterion(logits, targets)
-        # Metric objects are logged so that Lightning reads them only when it writes a log line,
-        # and syncs them across ranks once per epoch rather than at every step.
-        self.train_loss(loss.detach())
-        self.train_metrics(logits.detach(), targets)
-        self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
-        self.log_dict(self.train_metrics, on_step=True, on_epoch=True)
+        if self._trainer is None or self._logs_this_step(batch_idx):
+            # Metric objects are logged so that Lightning reads them only when it writes a log line,
+            # and syncs them across ranks once per epoch. Calling them computes this batch's values.
+            self.train_loss(loss.detach())
+            self.train_metrics(logits.detach(), targets)
+            self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
+            self.log_dict(self.train_metrics, on_step=True, on_epoch=True)
+        else:
+            # Between log lines only the epoch totals are updated: logging (and computing a batch value)
+            # at every step costs milliseconds of host time, which a fast GPU waits for.
+            self.train_loss.update(loss.detach())
+            self.train_metrics.update(logits.detach(), targets)
         return loss
 
     def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:

@@ -123,6 +123,12 @@ class NonFiniteGuard(pl.Callback):
         )
 
 
+def _writes_log_line(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
+    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
+    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
+
+
 class ConsoleLog(pl.Callback):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
@@ -152,7 +158,7 @@ class ConsoleLog(pl.Callback):
     ) -> None:
         self._images += int(batch[0].shape[0]) * trainer.world_size
         self._batches += 1
-        if (batch_idx + 1) % trainer.log_every_n_steps != 0:
+        if not _writes_log_line(trainer):
             return
         sync_device(pl_module)
         now = time.perf_counter()

@@ -110,3 +110,27 @@ def test_deterministic_runs_give_identical_weights(shapes_root: Path, tmp_path: 
     first, second, other = fit(1, "a"), fit(1, "b"), fit(2, "c")
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert not all(torch.equal(first[k], other[k]) for k in first)
+
+
+def test_training_figures_cover_every_batch_but_are_logged_on_log_steps(shapes_root: Path, tmp_path: Path) -> None:
+    """Step figures are those of the batch that writes the log line; epoch figures cover every batch."""
+    seen: list[tuple[int, float, float]] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.global_step, float(outputs["loss"]), float(batch[0].shape[0])))
+
+    logger = CSVLogger(tmp_path)
+    model = ImageClassifier("resnet18", num_classes=3, warmup_epochs=0, lr=0.01)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=2, logger=logger, enable_progress_bar=False,
+                         enable_checkpointing=False, callbacks=[Record()], limit_val_batches=0)  # fmt: skip
+    trainer.fit(model, _data(shapes_root))  # 24 images, batch 8: 3 steps per epoch
+    rows = list(__import__("csv").DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    step_losses = {int(r["step"]): float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")}
+    assert sorted(step_losses) == [1, 3, 5]  # written after every 2nd optimizer step
+    for step, value in step_losses.items():
+        assert value == pytest.approx(next(loss for s, loss, _ in seen if s == step + 1), rel=1e-5)
+    epoch_losses = [float(r["train/loss_epoch"]) for r in rows if r.get("train/loss_epoch")]
+    for epoch, value in enumerate(epoch_losses):
+        batches = seen[epoch * 3 : epoch * 3 + 3]
+        assert value == pytest.approx(sum(loss * n for _, loss, n in batches) / sum(n for *_, n in batches), rel=1e-5)
