@@ -140,6 +140,7 @@ class PrefetchLoader(DataLoader):
         self.device = torch.device(device) if device is not None else None
         self.mean = tuple(mean)
         self.std = tuple(std)
+        self._next_epoch: tuple[int, Iterator[Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with.
@@ -154,8 +155,51 @@ class PrefetchLoader(DataLoader):
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])
 
+    def _starts_next_epoch_early(self) -> bool:
+        # Only a shuffling sampler that knows its epoch (a training sampler) is moved on, and only
+        # persistent workers keep decoding between two iterations.
+        sampler = self.sampler
+        return (
+            self.persistent_workers
+            and bool(getattr(sampler, "shuffle", False))
+            and hasattr(sampler, "set_epoch")
+            and hasattr(sampler, "epoch")
+        )
+
+    def _start_next_epoch(self) -> None:
+        epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
+        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        self._next_epoch = (epoch, super().__iter__())
+
+    def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
+        """Yields the epoch's batches; on its last one, starts the workers on the next epoch.
+
+        Lightning stops asking once it has the epoch's last batch, so the workers would otherwise
+        sit idle through validation and checkpointing and start the next epoch only when asked, with
+        the GPU waiting for its first batches. Started here, they decode during that time instead.
+        """
+        early = self._starts_next_epoch_early()
+        total = len(self) if early else -1
+        count = 0
+        for batch in source:
+            count += 1
+            if count == total:
+                # The loader's iterator is the persistent one: once it is moved on to the next epoch,
+                # this pass must not ask it for more.
+                self._start_next_epoch()
+                yield batch
+                return
+            yield batch
+        if early and count > 0:  # a shorter pass (resumed part-way) ran out
+            self._start_next_epoch()
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        source = super().__iter__()
+        early, self._next_epoch = self._next_epoch, None
+        if early is not None and early[0] == getattr(self.sampler, "epoch", None):
+            source = early[1]  # started when the last epoch ran out, for the epoch asked for now
+        else:
+            source = super().__iter__()
+        source = self._epoch(source)
         if self.device is None or self.device.type != "cuda":
             return source
         return CUDAPrefetcher(source, self.device, Uint8Normalize(self.mean, self.std))
