@@ -24,6 +24,7 @@ from lit_imagenet.checkpointing import (
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.data import ImageFolderDataModule
+from lit_imagenet.ddp import DefaultStreamDDPStrategy  # noqa: F401  (registers ddp_default_stream)
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.module import ImageClassifier
 from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard, NonFiniteLossError, Profile, RunLogger, TrainingCurves
