@@ -31,6 +31,9 @@ the ``model-alone`` images/s of the same architecture. ``--compile`` compiles th
     python benchmarks/throughput.py --out runs/throughput --devices 1 2
     python benchmarks/throughput.py --out runs/throughput-r50 --archs resnet50 --decoders nvjpeg nvjpeg@0.5
     python benchmarks/throughput.py --out /tmp/tp --smoke   # CPU, tiny sizes, well under a minute
+
+``--row-timeout S`` stops a ``fit`` row (its whole process group: DDP ranks and loader workers too) after
+S seconds; it then reports the epochs it finished, or none.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -79,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the network (model-alone, fit rows)")
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
                         help="run each row on the first N CPUs per GPU it uses (default: all CPUs)")  # fmt: skip
+    parser.add_argument("--row-timeout", type=float, default=None,
+                        help="stop a fit row after this many seconds; it reports the epochs it finished")  # fmt: skip
     parser.add_argument("--workers", type=int, default=None, help="loader workers per process (default 15)")
     parser.add_argument("--batch-size", type=int, default=None, help="per device (default 256)")
     parser.add_argument("--crop-size", type=int, default=None, help="default 224")
@@ -247,20 +253,29 @@ def _cpus(args: argparse.Namespace, gpus: int) -> set[int] | None:
 def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     cpus = _cpus(args, gpus)
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, preexec_fn=pin)
-    text = proc.stdout + proc.stderr
+    # A session of its own, so that a row stopped by --row-timeout takes its DDP ranks and workers with it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            preexec_fn=pin, start_new_session=True)  # fmt: skip
+    timed_out = False
+    try:
+        text, _ = proc.communicate(timeout=args.row_timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
     log = args.out / "logs" / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + text)
-    if proc.returncode != 0:
+    if proc.returncode != 0 and not timed_out:
         raise SystemExit(f"{name} failed ({proc.returncode}), see {log}:\n{text[-3000:]}")
     epochs = [m.groups() for m in map(EPOCH_LINE.search, text.splitlines()) if m]
-    if not epochs:
+    if not epochs and not timed_out:
         raise SystemExit(f"{name} printed no Throughput line, see {log}")
-    _, rate, memory = epochs[-1]
+    rate, memory = (epochs[-1][1], epochs[-1][2]) if epochs else (None, None)
     return {
-        "images_per_sec": float(rate.replace(",", "")),
+        "images_per_sec": float(rate.replace(",", "")) if rate else None,
         "peak_memory_gib": float(memory) if memory else None,
         "epochs": [{"epoch": int(e), "images_per_sec": float(r.replace(",", ""))} for e, r, _ in epochs],
+        "timed_out": timed_out,
         "log": str(log),
     }
 
@@ -340,6 +355,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r["images_per_sec"] is not None]
     labels = [f"{r['arch']} {r['setting']} ({r['devices']} dev)" for r in rows]
     values = [r["images_per_sec"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
@@ -350,7 +366,8 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_xlabel("training images/s")
     ax.set_title(title, fontsize=9)
     for bar, r in zip(bars, rows):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['images_per_sec']:,.0f} ({r['ratio']:.2f}x)",
+        ratio = "" if r["ratio"] is None else f" ({r['ratio']:.2f}x)"
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['images_per_sec']:,.0f}{ratio}",
                 va="center", fontsize=8)  # fmt: skip
     ax.set_xlim(0, max(values) * 1.3 if values else 1)
     fig.tight_layout()
@@ -378,10 +395,15 @@ def main(argv: list[str] | None = None) -> None:
     def add(setting: str, arch: str, devices: int, result: dict[str, Any]) -> None:
         alone = next((x for x in rows if x["arch"] == arch and x["setting"] == "model-alone"), None)
         rate = result["images_per_sec"]
-        ratio = 1.0 if setting == "model-alone" else (rate / alone["images_per_sec"] if alone else float("nan"))
+        ratio = 1.0 if setting == "model-alone" else (rate / alone["images_per_sec"] if alone and rate else None)
         rows.append({"setting": setting, "arch": arch, "devices": devices, **result, "ratio": ratio})
         memory = result.get("peak_memory_gib")
-        print(f"{setting} {arch} ({devices} dev): {rate:,.1f} images/s, {ratio:.3f}x model alone"
+        shown = "no finished epoch" if rate is None else f"{rate:,.1f} images/s"
+        if ratio is not None:
+            shown += f", {ratio:.3f}x model alone"
+        if result.get("timed_out"):
+            shown += f" (stopped after {args.row_timeout:g} s)"
+        print(f"{setting} {arch} ({devices} dev): {shown}"
               + (f", peak memory {memory:.2f} GiB" if memory is not None else ""), flush=True)  # fmt: skip
         (args.out / "rows.partial.json").write_text(json.dumps(rows, indent=2, default=str))  # kept if cut short
 
@@ -413,8 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
-        print(f"| {r['setting']} | {r['arch']} | {r['devices']} | {r['images_per_sec']:,.0f} | {r['ratio']:.2f} | "
-              f"{memory} |")  # fmt: skip
+        rate = "-" if r["images_per_sec"] is None else f"{r['images_per_sec']:,.0f}"
+        if r.get("timed_out"):
+            rate += " (stopped)"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"| {r['setting']} | {r['arch']} | {r['devices']} | {rate} | {ratio} | {memory} |")
     print(f"\nWrote {args.out / 'throughput.json'} and {args.out / 'throughput.png'}")
 
 

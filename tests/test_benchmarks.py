@@ -45,3 +45,19 @@ def test_throughput_smoke(tmp_path: Path) -> None:
 
     png = (out / "throughput.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
+
+
+def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
+    out = tmp_path / "throughput"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out), "--skip", "loop",
+         "--decoders", "pil", "--row-timeout", "0.5"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "throughput.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["model-alone", "fit-synthetic", "fit-pil"]
+    for row in rows[1:]:
+        assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
+    assert "| fit-pil | resnet18 | 1 | - (stopped) | - | - |" in proc.stdout
+    assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
