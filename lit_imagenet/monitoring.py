@@ -24,6 +24,12 @@ from typing_extensions import override
 from lit_imagenet.callbacks import sync_device
 
 
+def _writes_log_line(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
+    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
+    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss was NaN or infinite for too many consecutive batches."""
 
@@ -33,14 +39,16 @@ class NonFiniteGuard(pl.Callback):
 
     With fp16 dynamic loss scaling an occasional overflow is normal (the scaler skips that step), so
     one bad batch is not an error; a long run of them means the weights or the data went bad. The
-    count is kept on the device and read only every ``check_every_n_steps`` batches (by default
-    ``log_every_n_steps``), so the guard adds no host-device synchronisation in between; the price
-    is that the run stops up to that many batches after the limit was reached. The error names the
+    count is kept on the device and read only every ``check_every_n_steps`` batches (by default on
+    the batches after which Lightning writes its logs and synchronises anyway), so the guard adds
+    no host-device synchronisation of its own; the price is that the run stops up to that many
+    batches after the limit was reached. The error names the
     global step where the bad run began and the newest checkpoint saved before it.
 
     Args:
         max_consecutive: Consecutive non-finite losses that stop the run.
-        check_every_n_steps: Read the count every this many batches; ``None``: ``log_every_n_steps``.
+        check_every_n_steps: Read the count every this many batches; ``None``: on Lightning's log steps
+            (every ``log_every_n_steps`` optimizer steps).
     """
 
     def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
@@ -54,7 +62,7 @@ class NonFiniteGuard(pl.Callback):
         self._run_start: Tensor | None = None
         self._tripped_at: Tensor | None = None
         self._batches = 0
-        self._saved: list[tuple[int, str]] = []
+        self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -63,14 +71,13 @@ class NonFiniteGuard(pl.Callback):
         self._run_start = torch.full((), -1, dtype=torch.int64, device=device)
         self._tripped_at = torch.full((), -1, dtype=torch.int64, device=device)
         self._batches = 0
-        self._saved = []
+        self._saved = {}
 
     def _note_checkpoints(self, trainer: pl.Trainer) -> None:
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, ModelCheckpoint) and cb._last_checkpoint_saved:
-                entry = (int(cb._last_global_step_saved), cb._last_checkpoint_saved)
-                if entry not in self._saved:
-                    self._saved.append(entry)
+                path, step = cb._last_checkpoint_saved, int(cb._last_global_step_saved)
+                self._saved[path] = max(step, self._saved.get(path, step))
 
     @override
     def on_train_batch_start(
@@ -93,8 +100,8 @@ class NonFiniteGuard(pl.Callback):
         trips = (self._consecutive >= self.max_consecutive) & (self._tripped_at < 0)
         self._tripped_at = torch.where(trips, self._run_start, self._tripped_at)
         self._batches += 1
-        every = self.check_every_n_steps or trainer.log_every_n_steps
-        if self._batches % every == 0:
+        every = self.check_every_n_steps
+        if (self._batches % every == 0) if every else _writes_log_line(trainer):
             self._check(trainer)
 
     @override
@@ -108,10 +115,8 @@ class NonFiniteGuard(pl.Callback):
         if start < 0:
             return
         self._note_checkpoints(trainer)
-        latest: dict[str, int] = {}
-        for step, path in self._saved:  # a rolling file rewritten after the bad run began holds bad weights
-            latest[path] = max(step, latest.get(path, step))
-        good = [(s, p) for p, s in latest.items() if s <= start and Path(p).is_file()]
+        # A rolling file rewritten after the bad run began holds bad weights.
+        good = [(s, p) for p, s in self._saved.items() if s <= start and Path(p).is_file()]
         where = (
             f"the last checkpoint before it is {max(good)[1]} (step {max(good)[0]}); resume with --ckpt_path PATH"
             if good
@@ -121,12 +126,6 @@ class NonFiniteGuard(pl.Callback):
             f"The training loss was NaN or infinite for {self.max_consecutive} consecutive batches from global step "
             f"{start}; {where}, and lower the learning rate or check the data."
         )
-
-
-def _writes_log_line(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
-    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
-    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
 
 
 class ConsoleLog(pl.Callback):
