@@ -17,6 +17,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -161,6 +162,23 @@ def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
             pass
 
 
+@contextmanager
+def seeded_rng(seed: int | None) -> Iterator[None]:
+    """Draws inside come from torch's CPU generator seeded with ``seed``; its state is restored after.
+
+    torchvision's random transforms draw from that global generator: seeding it per sample makes
+    the augmentation independent of worker count, order and restarts. Only the CPU generator is
+    seeded (``torch.manual_seed`` also seeds every device, and is 15x slower). ``None``: the draws
+    come from the generator as it is, and advance it.
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
 class ImageFolderDataset(Dataset):
     """``(image, class index)`` pairs from scanned samples, each image opened with ``load_rgb``.
 
@@ -189,15 +207,8 @@ class ImageFolderDataset(Dataset):
         path, target = self.samples[index]
         img = self.loader(path)
         if self.transform is not None:
-            if seed is None:
+            with seeded_rng(seed):
                 img = self.transform(img)
-            else:
-                # torchvision's random transforms draw from torch's global generator: seeding it per
-                # sample makes the augmentation independent of worker count, order and restarts.
-                # (Only the CPU generator: torch.manual_seed also seeds every device, 15x slower.)
-                with torch.random.fork_rng(devices=[]):
-                    torch.default_generator.manual_seed(seed)
-                    img = self.transform(img)
         return img, target
 
 
@@ -248,9 +259,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.default_generator.manual_seed(seed)
+        with seeded_rng(seed):  # the draws of RandomResizedCrop, then of the flip, as on the CPU paths
             box = random_crop_box(height, width, self.crop_scale)
             flip = bool(torch.rand(1) < 0.5)
         return EncodedImage(data, box, self.crop_size, flip, path), target
