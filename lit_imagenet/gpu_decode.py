@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_jpeg, read_file
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms import RandomResizedCrop
 
 from lit_imagenet.errors import DataError
@@ -208,9 +208,12 @@ def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Ten
 
 
 def _decode_on_cpu(item: EncodedImage) -> Tensor:
-    from lit_imagenet.data import load_rgb_tensor
-
-    return load_rgb_tensor(item.path)
+    """The bytes already read, decoded by libjpeg-turbo: for the JPEGs nvJPEG does not take."""
+    try:
+        return decode_image(item.data, mode=ImageReadMode.RGB)
+    except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
+        raise DataError(f"Cannot decode image {item.path} ({reason}); replace or remove the file.") from None
 
 
 def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format) -> EncodedBatch:
