@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lit_imagenet.callbacks import CUDAPrefetch
 from lit_imagenet.models import build_model, classifier_name
+from lit_imagenet.precision import ApexAMP
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
@@ -316,8 +317,8 @@ class ImageClassifier(pl.LightningModule):
         fused = self.hparams.get("fused_optimizer")
         if fused is None:
             on_cuda = next(self.model.parameters()).device.type == "cuda"
-            plugin = type(self.trainer.precision_plugin).__name__ if self._trainer is not None else ""
-            fused = on_cuda and plugin != "ApexAMP"
+            apex = self._trainer is not None and isinstance(self.trainer.precision_plugin, ApexAMP)
+            fused = on_cuda and not apex
         return {"fused": True} if fused else {}
 
     @override
