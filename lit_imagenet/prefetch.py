@@ -16,6 +16,7 @@ uint8 batch itself after Lightning's transfer.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -78,6 +79,12 @@ class CUDAPrefetcher:
 
     A batch is a list or tuple whose first element is a uint8 image tensor; every tensor in it is
     moved to ``device``, and the images are normalised to float32.
+
+    A batch with a ``decode(device)`` method (an ``EncodedBatch`` of JPEGs for nvJPEG) is decoded in
+    a background thread, on a stream of its own: nvJPEG's batched decode blocks the calling thread
+    until the GPU has finished, and done inline that wait would stall the launching of the current
+    training step. The thread only holds the next batch; the hand-over waits for its work on the
+    device, not on the host.
     """
 
     def __init__(self, source: Iterator[Any], device: torch.device, normalize: Uint8Normalize) -> None:
@@ -85,33 +92,58 @@ class CUDAPrefetcher:
         self.device = device
         self.normalize = normalize.to(device)
         self.stream = torch.cuda.Stream(device=device)
-        self._next: Any = None
-        self._exhausted = False
+        self._decoder: ThreadPoolExecutor | None = None
+        self._decode_stream: torch.cuda.Stream | None = None
+        self._next: Future[tuple[Any, torch.cuda.Event | None]] | None = None
         self._preload()
+
+    def _normalized(self, batch: Any) -> Any:
+        if isinstance(batch, (list, tuple)) and isinstance(batch[0], Tensor) and batch[0].dtype == torch.uint8:
+            return [self.normalize(batch[0]), *batch[1:]]
+        return batch
+
+    def _decode(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
+        # Runs in the decode thread: the current device and stream are per thread.
+        assert self._decode_stream is not None
+        with torch.cuda.device(self.device), torch.cuda.stream(self._decode_stream):
+            out = self._normalized(batch.decode(self.device))
+            done = torch.cuda.Event()
+            done.record(self._decode_stream)
+        return out, done
 
     def _preload(self) -> None:
         try:
             batch = next(self.source)
         except StopIteration:
-            self._exhausted = True
             self._next = None
+            if self._decoder is not None:
+                self._decoder.shutdown(wait=False)
+                self._decoder = None
+            return
+        if hasattr(batch, "decode"):
+            if self._decoder is None:
+                self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
+                self._decode_stream = torch.cuda.Stream(device=self.device)
+            self._next = self._decoder.submit(self._decode, batch)
             return
         with torch.cuda.stream(self.stream):
-            decode = getattr(batch, "decode", None)  # an EncodedBatch: JPEGs decoded on the GPU
-            batch = decode(self.device) if decode is not None else _to_device(batch, self.device)
-            if isinstance(batch, (list, tuple)) and isinstance(batch[0], Tensor) and batch[0].dtype == torch.uint8:
-                batch = [self.normalize(batch[0]), *batch[1:]]
-        self._next = batch
+            out = self._normalized(_to_device(batch, self.device))
+        ready: Future[tuple[Any, torch.cuda.Event | None]] = Future()
+        ready.set_result((out, None))
+        self._next = ready
 
     def __iter__(self) -> CUDAPrefetcher:
         return self
 
     def __next__(self) -> Any:
-        if self._exhausted:
+        if self._next is None:
             raise StopIteration
+        batch, done = self._next.result()  # an error from decoding is raised here, in the training loop
         current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self.stream)
-        batch = self._next
+        if done is None:
+            current.wait_stream(self.stream)
+        else:
+            current.wait_event(done)
         _record(batch, current)
         self._preload()
         return batch

@@ -136,3 +136,33 @@ def test_worker_side_decoding_matches_load_rgb_tensor(shapes_root: Path) -> None
     path, expected_label = dm.samples("val")[0]
     assert label == expected_label
     assert torch.equal(image, dm.eval_transform()(load_rgb_tensor(path)))
+
+
+@pytest.mark.gpu
+def test_prefetched_nvjpeg_batches_equal_inline_decoding(shapes_root: Path) -> None:
+    """The prefetcher decodes in a thread of its own; the batches must be those decoded inline, in order."""
+    from lit_imagenet.prefetch import Uint8Normalize
+
+    device = torch.device("cuda")
+    dm = _module(shapes_root, "nvjpeg", gpu_share=0.5)
+    inline = [batch.decode(device) for batch in dm.train_dataloader()]
+    dm.prefetch_device = device
+    prefetched = list(dm.train_dataloader())
+    assert len(prefetched) == len(inline) > 2
+    norm = Uint8Normalize().to(device)
+    for (images, targets), (x, y) in zip(inline, prefetched):
+        assert torch.equal(targets, y)
+        torch.testing.assert_close(norm(images), x, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_corrupt_jpeg_is_named_through_the_prefetcher(shapes_root: Path, tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(shapes_root, root)
+    victim = sorted((root / "val").rglob("*.jpg"))[1]
+    victim.write_bytes(victim.read_bytes()[:200])
+    dm = ImageFolderDataModule(str(root), batch_size=4, workers=0, crop_size=32, val_resize=36, decoder="nvjpeg")
+    dm.prefetch_device = torch.device("cuda")
+    with pytest.raises(DataError, match=str(victim)):
+        for _ in dm.val_dataloader():
+            pass
