@@ -3,7 +3,8 @@
 Each setting runs ``train.py fit`` for one epoch, then resumes from that run's ``last.ckpt`` for two
 more epochs (so every setting takes 3 epochs of optimizer steps and one resume). The table gives the
 last epoch's images/s (over all processes, epoch start included), its mean training loss, peak GPU
-memory, and the loss scale stored in the final checkpoint. Small JPEGs keep the loaders ahead of the
+memory, and the loss scale stored in the final checkpoint; the JSON also keeps every epoch's validation
+loss and top-1. Small JPEGs keep the loaders ahead of the
 GPU, so the figures compare the precisions rather than the decoders.
 
     python benchmarks/amp_matrix.py --out runs/amp --devices 1
@@ -89,6 +90,7 @@ def main() -> None:
         epoch, rate, memory = epochs[-1]
         metrics = list(csv.DictReader(open(next(final.parent.parent.glob("metrics.csv")))))
         losses = [float(r["train/loss_epoch"]) for r in metrics if r.get("train/loss_epoch")]
+        vals = [(float(r["val/loss"]), float(r["val/top1"])) for r in metrics if r.get("val/loss") and r["val/top1"]]
         choice = next((line for line in (first + second).splitlines() if "AMP: " in line), "")
         rows.append({
             "setting": name,
@@ -98,6 +100,8 @@ def main() -> None:
             "images_per_sec": float(rate.replace(",", "")),
             "train_loss_last_epoch": losses[-1] if losses else float("nan"),
             "peak_memory_gib": float(memory) if memory else None,
+            "val_loss_per_epoch": [v[0] for v in vals],
+            "val_top1_per_epoch": [v[1] for v in vals],
             "checkpoint_scaler": ckpt.get("ApexAMP") or ckpt.get("MixedPrecision"),
             "resumed_from_step": torch.load(last, map_location="cpu", weights_only=True)["global_step"],
             "chosen": choice.split("AMP: ", 1)[-1] if choice else "",

@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="leave out these rows (model-alone is needed for the ratios)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="torch.compile the network (model-alone, fit rows)")
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
-                        help="run each row on the first N CPUs per GPU it uses (default: all CPUs)")  # fmt: skip
+                        help="run each row on the first N CPUs per GPU it uses, of those the script may use "
+                             "(default: all of them)")  # fmt: skip
     parser.add_argument("--row-timeout", type=float, default=None,
                         help="stop a fit row after this many seconds; it reports the epochs it finished")  # fmt: skip
     parser.add_argument("--workers", type=int, default=None, help="loader workers per process (default 15)")
@@ -101,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-classes", type=int, default=None, help="default 6")
     parser.add_argument("extra", nargs="*", help="more train.py arguments for the fit rows, after --")
     args = parser.parse_args(argv)
+    # The CPUs this process may use when it starts (``taskset`` narrows them), before a row narrows them further.
+    args.start_cpus = (
+        sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    )
     full = {"archs": ["resnet50", "resnet18"], "workers": 15, "batch_size": 256, "crop_size": 224, "epochs": 2,
             "width": 500, "height": 375, "train_per_class": 4267, "val_per_class": 500, "num_classes": 6,
             "data": "/tmp/lit_imagenet_jpeg500"}  # fmt: skip
@@ -246,8 +251,7 @@ def _cpus(args: argparse.Namespace, gpus: int) -> set[int] | None:
     """The CPUs a row with ``gpus`` GPUs may use under ``--cpus-per-gpu`` (``None``: all)."""
     if args.cpus_per_gpu is None:
         return None
-    available = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
-    return set(available[: args.cpus_per_gpu * gpus])
+    return set(args.start_cpus[: args.cpus_per_gpu * gpus])
 
 
 def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
