@@ -145,17 +145,27 @@ class EncodedBatch:
         return int(self.targets.shape[0])
 
     def pin_memory(self) -> EncodedBatch:
-        """Pins the labels and the worker-decoded images; the encoded bytes are read by nvJPEG as they are."""
+        """Pins the labels, the worker-decoded images and the encoded bytes (in one buffer, which nvJPEG reads)."""
         decoded = self.decoded.pin_memory() if self.decoded is not None else None
+        blob, lengths = _pack(self.encoded)
         return EncodedBatch(
             self.targets.pin_memory(),
-            self.encoded,
+            _unpack(self.encoded, blob.pin_memory(), lengths),
             self.encoded_positions,
             decoded,
             self.decoded_positions,
             self.size,
             self.memory_format,
         )
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Sent from a loader worker, every tensor travels through a shared-memory file of its own: the
+        # encoded images go as one buffer, or a batch of 256 from each of 15 workers would hold
+        # thousands of file descriptors open at once (past the limit the workers' queues fail).
+        blob, lengths = _pack(self.encoded)
+        fields = (self.targets, self.encoded_positions, self.decoded, self.decoded_positions, self.size)
+        metadata = [item._replace(data=None) for item in self.encoded]  # the bytes go in the blob
+        return _rebuild_batch, (fields, metadata, blob, lengths, self.memory_format)
 
     def decode(self, device: torch.device | str) -> list[Tensor]:
         """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
@@ -189,6 +199,34 @@ class EncodedBatch:
             where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
             images.index_copy_(0, where, resized.round_().clamp_(0, 255).to(torch.uint8))
         return [images, self.targets.to(device, non_blocking=True)]
+
+
+def _pack(items: Sequence[EncodedImage]) -> tuple[Tensor, list[int]]:
+    """The encoded bytes of ``items`` end to end in one tensor, and each one's length."""
+    lengths = [int(item.data.numel()) for item in items]
+    blob = torch.cat([item.data.reshape(-1) for item in items]) if items else torch.empty(0, dtype=torch.uint8)
+    return blob, lengths
+
+
+def _unpack(items: Sequence[EncodedImage], blob: Tensor, lengths: Sequence[int]) -> list[EncodedImage]:
+    """``items`` with their bytes as consecutive slices of ``blob`` (contiguous, as nvJPEG needs them)."""
+    out, start = [], 0
+    for item, length in zip(items, lengths):
+        out.append(item._replace(data=blob[start : start + length]))
+        start += length
+    return out
+
+
+def _rebuild_batch(
+    fields: tuple[Any, ...],
+    items: list[EncodedImage],
+    blob: Tensor,
+    lengths: list[int],
+    memory_format: torch.memory_format,
+) -> EncodedBatch:
+    targets, encoded_positions, decoded, decoded_positions, size = fields
+    encoded = _unpack(items, blob, lengths)
+    return EncodedBatch(targets, encoded, encoded_positions, decoded, decoded_positions, size, memory_format)
 
 
 def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:

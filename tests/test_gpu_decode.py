@@ -166,3 +166,35 @@ def test_a_corrupt_jpeg_is_named_through_the_prefetcher(shapes_root: Path, tmp_p
     with pytest.raises(DataError, match=str(victim)):
         for _ in dm.val_dataloader():
             pass
+
+
+@pytest.mark.timeout(120)
+def test_large_encoded_batches_cross_from_workers_under_a_low_open_file_limit(tmp_path: Path) -> None:
+    """Workers hand over the encoded bytes of a whole batch in one shared buffer, not one per image.
+
+    With a buffer per image, a batch of 256 from each of 15 workers needed thousands of open file
+    descriptors at once; past the limit the workers' queues failed and the loader hung.
+    """
+    import resource
+
+    from lit_imagenet.synthetic import make_shapes
+
+    root = make_shapes(str(tmp_path / "jpeg"), train_per_class=200, val_per_class=1, width=24, height=24,
+                       num_classes=3)  # fmt: skip
+    dm = ImageFolderDataModule(str(root), batch_size=300, workers=2, crop_size=16, val_resize=16, decoder="nvjpeg",
+                               seed=1)  # fmt: skip
+    reference = [batch.decode("cpu") for batch in _module_like(dm, workers=0).train_dataloader()]
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(512, hard), hard))  # inherited by the workers
+    try:
+        batches = [batch.decode("cpu") for batch in dm.train_dataloader()]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(batches) == len(reference) == 2
+    for (images, targets), (ref_images, ref_targets) in zip(batches, reference):
+        assert torch.equal(targets, ref_targets) and torch.equal(images, ref_images)
+
+
+def _module_like(dm: ImageFolderDataModule, **changes) -> ImageFolderDataModule:
+    kwargs = {**dict(dm.hparams), **changes}
+    return ImageFolderDataModule(**kwargs)
