@@ -61,3 +61,16 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
         assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
     assert "| fit-pil | resnet18 | 1 | - (stopped) | - | - |" in proc.stdout
     assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_loader_speed_runs_on_cpu(shapes_root: Path, tmp_path: Path) -> None:
+    out = tmp_path / "loaders.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/loader_speed.py"), "--data", str(shapes_root), "--workers", "1",
+         "--batch-size", "4", "--batches", "2", "--decoders", "pil", "torchvision", "nvjpeg@0.5", "--out", str(out)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [r["decoder"] for r in report["loaders"]] == ["pil", "torchvision", "nvjpeg@0.5"]
+    assert all(r["images_per_sec"] > 0 and r["batches"] == 2 for r in report["loaders"])
