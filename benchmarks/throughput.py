@@ -75,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny data and model steps: checks the script")
     parser.add_argument("--data", default=None, help="shapes folder (default /tmp/lit_imagenet_jpeg500)")
     parser.add_argument("--archs", nargs="+", default=None, help="default resnet50 resnet18 (smoke: resnet18)")
-    parser.add_argument("--decoders", nargs="+", type=_decoder, default=["pil", "torchvision", "nvjpeg"],
-                        help="fit rows: pil, torchvision, nvjpeg, or nvjpeg@SHARE (the GPU's share)")  # fmt: skip
+    parser.add_argument("--decoders", nargs="*", type=_decoder, default=["pil", "torchvision", "nvjpeg"],
+                        help="fit rows: pil, torchvision, nvjpeg, or nvjpeg@SHARE (the GPU's share); "
+                             "given with no value: no fit row on JPEGs")  # fmt: skip
     parser.add_argument("--devices", type=int, nargs="+", default=[1], help="GPU counts of the fit rows (DDP if > 1)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["model-alone", "fit-synthetic", "loop"],
                         help="leave out these rows (model-alone is needed for the ratios)")  # fmt: skip
