@@ -182,7 +182,9 @@ def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[s
         kwargs["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), choice.plugin]
     if choice.strategy is not None:
         strategy = trainer_config.get("strategy", "auto")
-        if strategy not in ("auto", "ddp", "ddp_apex") and not isinstance(strategy, ApexDDPStrategy):
+        if strategy not in ("auto", "ddp", "ddp_default_stream", "ddp_apex") and not isinstance(
+            strategy, ApexDDPStrategy
+        ):
             raise ConfigError(f"apex AMP runs with one process or --trainer.strategy ddp_apex, not {strategy!r}.")
         if not isinstance(strategy, ApexDDPStrategy):
             kwargs["strategy"] = choice.strategy

@@ -150,3 +150,12 @@ def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Pa
     assert ddp["val/top1"] == single["val/top1"]
     assert ddp["val/top5"] == single["val/top5"]
     assert abs(ddp["val/loss"] - single["val/loss"]) < 1e-5
+
+
+def test_the_ddp_recipe_wraps_on_the_training_stream(shapes_root: Path, tmp_path: Path) -> None:
+    from lit_imagenet.ddp import DefaultStreamDDPStrategy
+
+    config = next(p for p in CONFIGS if p.name == "ddp.yaml")
+    cli = main(["--config", str(config), "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path),
+                "--trainer.accelerator", "cpu", "--trainer.devices", "2"], run=False)  # fmt: skip
+    assert type(cli.trainer.strategy) is DefaultStreamDDPStrategy

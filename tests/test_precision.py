@@ -236,3 +236,22 @@ def test_apex_gradient_clipping_uses_the_master_parameters(shapes_root: Path, tm
     assert cli.trainer.global_step == 2
     assert len(seen) == 2  # clipped once per step, on apex's parameters
     assert [c[0] for c in fake_apex.calls].count("scale_loss") == 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_default_stream", "ddp_apex"])
+def test_apex_under_several_processes_takes_the_apex_ddp_strategy(fake_apex, strategy: str) -> None:
+    from lit_imagenet.cli import _amp_trainer_kwargs
+    from lit_imagenet.precision import AMPFlags
+
+    config = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
+    assert _amp_trainer_kwargs(AMPFlags(opt_level="O2", backend="apex"), config)["strategy"] == "ddp_apex"
+
+
+def test_apex_refuses_a_strategy_it_cannot_initialise_under(fake_apex) -> None:
+    from lit_imagenet.cli import _amp_trainer_kwargs
+    from lit_imagenet.errors import ConfigError
+    from lit_imagenet.precision import AMPFlags
+
+    config = {"accelerator": "cpu", "devices": 2, "strategy": "fsdp"}
+    with pytest.raises(ConfigError, match="ddp_apex, not 'fsdp'"):
+        _amp_trainer_kwargs(AMPFlags(opt_level="O2", backend="apex"), config)
