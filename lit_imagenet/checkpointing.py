@@ -47,10 +47,12 @@ def _fsync_dir(folder: str) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves checkpoints all-or-nothing on local disks: temporary file, fsync, ``os.replace``.
 
-    Lightning's own writer opens the target and writes into it, so a process killed mid-write, or a
-    full disk, leaves a truncated file under the checkpoint's name. Here the bytes go to a hidden
-    ``.NAME.XXXX.tmp`` in the same folder (same file system, so the rename is atomic); the target
-    is replaced only once the whole file is on disk. Remote paths (``s3://`` ...) use Lightning's
+    Lightning's own writer first serialises the whole checkpoint into memory (a second copy of it),
+    then writes through an fsspec transaction, whose temporary file for a local path can lie on
+    another file system than the target, where the final move is a copy, not an atomic rename; it
+    does not fsync. Here ``torch.save`` streams into a hidden ``.NAME.XXXX.tmp`` in the target's own
+    folder, which is fsynced and then renamed over the target, so a process killed mid-write, or a
+    full disk, leaves the previous checkpoint intact. Remote paths (``s3://`` ...) use Lightning's
     writer.
     """
 
@@ -135,8 +137,15 @@ class StepCheckpoint(ModelCheckpoint):
             return
         if trainer.sanity_checking or trainer.global_step == 0:
             return
-        self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if self._last_global_step_saved != trainer.global_step:  # not saved at this very step already
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         rank_zero_info(f"SIGTERM: saved {self.last_model_path} at step {trainer.global_step}.")
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # ModelCheckpoint writes its "last" file at the end of training if it has not yet; the end of a
+        # run is the ``checkpoint`` callback's last.ckpt already, so this one would be a second copy.
+        pass
 
 
 def find_last_checkpoint(root: _PATH) -> str | None:

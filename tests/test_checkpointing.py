@@ -156,3 +156,10 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout
     assert _step(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt") == saved + 2
+
+
+def test_step_checkpoint_writes_nothing_at_the_end_of_a_run(shapes_root: Path, tmp_path: Path) -> None:
+    """With every_n_train_steps 0 the file is for SIGTERM only: the run's end is last.ckpt already."""
+    cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1"))
+    folder = Path(cli.trainer.log_dir) / "checkpoints"
+    assert (folder / "last.ckpt").is_file() and not (folder / "last-step.ckpt").exists()
