@@ -121,9 +121,11 @@ class ImageNetCLI(LightningCLI):
             and not self._model_config.get("num_classes")
         ):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
-        if config.get("ckpt_path") and config.get("model") is not None:
+        if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
             # The checkpoint's state replaces every weight, so the initial weights (possibly a file
-            # of the machine it was trained on) are not loaded again.
+            # of the machine it was trained on) are not loaded again. With "last" there may be no
+            # checkpoint yet (the first launch of a job that resumes itself): the run then starts
+            # from the weights, so they are kept.
             config.model.weights = None
 
     def after_fit(self) -> None:

@@ -132,3 +132,18 @@ def test_frozen_backbone_then_smaller_backbone_rate_on_a_cosine_schedule(shapes_
 def test_bad_finetuning_settings_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         ImageClassifier("resnet18", num_classes=3, **kwargs)
+
+
+def test_ckpt_path_last_with_nothing_to_resume_starts_from_the_weights(shapes_root: Path, tmp_path: Path) -> None:
+    """The first launch of a self-resuming fine-tuning job: ``--ckpt_path last`` finds nothing yet."""
+    from lit_imagenet.cli import main
+    from lit_imagenet.models import build_model
+    from tests.cli_args import fit_args
+
+    source = build_model("resnet18", 1000)
+    path = tmp_path / "pretrained.pth"
+    torch.save(source.state_dict(), path)
+    cli = main(fit_args(shapes_root, tmp_path / "out", "--model.weights", str(path), "--ckpt_path", "last",
+                        "--trainer.max_steps", "0"))  # fmt: skip
+    assert cli.trainer.global_step == 0
+    assert torch.equal(cli.model.model.conv1.weight, source.conv1.weight)
