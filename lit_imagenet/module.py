@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
-from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
@@ -302,16 +302,17 @@ class ImageClassifier(pl.LightningModule):
             for group in groups:
                 for p in group["params"]:
                     optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        schedule: WarmupMultiStep | WarmupCosine
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
+        hp = self.hparams
         if hp.lr_schedule == "cosine":
             max_epochs = self.trainer.max_epochs
             if max_epochs is None or max_epochs < 1:
                 raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
-            schedule = WarmupCosine(1, max_epochs, hp.warmup_epochs)
-        else:
-            schedule = WarmupMultiStep(1, hp.warmup_epochs, hp.milestones, hp.lr_gamma)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+            return WarmupCosine(steps_per_epoch, max_epochs, hp.warmup_epochs)
+        return WarmupMultiStep(steps_per_epoch, hp.warmup_epochs, hp.milestones, hp.lr_gamma)
 
     def _sgd_implementation(self) -> dict[str, bool]:
         fused = self.hparams.get("fused_optimizer")
@@ -329,9 +330,9 @@ class ImageClassifier(pl.LightningModule):
             return  # an optimizer or scheduler given on the command line replaces ours
         base_lr = scaled_lr(self.hparams.lr, self.global_batch_size())
         scheduler.base_lrs = [base_lr, base_lr * self.hparams.backbone_lr_scale]
-        steps = self.steps_per_epoch()
-        for schedule in scheduler.lr_lambdas:
-            schedule.steps_per_epoch = steps
+        # Built afresh from this run's settings: a resumed LambdaLR has put back the schedule objects of
+        # the checkpoint, whose max_epochs, warmup or milestones this run may have changed.
+        scheduler.lr_lambdas = [self._schedule(self.steps_per_epoch()) for _ in scheduler.lr_lambdas]
         optimizer = scheduler.optimizer
         for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["initial_lr"] = base
@@ -341,3 +342,12 @@ class ImageClassifier(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["arch"] = self.hparams.arch
         checkpoint["class_names"] = self.hparams.class_names
+        if self._trainer is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
+            # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.
+            state = checkpoint.get("state_dict", {})
+            for prefix, metric in self.named_modules():
+                if prefix.startswith(("train_loss", "train_metrics.")) and isinstance(metric, Metric):
+                    for name, default in metric._defaults.items():
+                        if f"{prefix}.{name}" in state and isinstance(default, Tensor):
+                            state[f"{prefix}.{name}"] = default.detach().clone()

@@ -75,8 +75,9 @@ class WarmupCosine:
     """Multiplier of the base learning rate for fine-tuning: linear warmup, then cosine decay to 0.
 
     Calling it with the number of optimizer steps already taken (0 for the first step) gives the
-    factor for the next step. Warmup is the same per-step ramp as ``WarmupMultiStep``'s; after it
-    the factor follows half a cosine from 1 down to 0, reached after the last step of
+    factor for the next step. Warmup is a linear ramp that reaches 1 at the last warmup step (its
+    ``n``-th step gets ``n / warmup_steps``; ``WarmupMultiStep`` keeps the reference's ramp, one step
+    ahead of this one); after it the factor follows half a cosine from 1 down to 0, reached after the last step of
     ``max_epochs`` epochs. Like ``WarmupMultiStep`` it is a plain object with numeric attributes,
     so ``LambdaLR`` saves and restores it with its state dict. ``LambdaLR`` applies it to every
     parameter group, so groups with different base rates keep their ratio.

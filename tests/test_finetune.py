@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
 from lit_imagenet.models import build_model
@@ -147,3 +149,42 @@ def test_ckpt_path_last_with_nothing_to_resume_starts_from_the_weights(shapes_ro
                         "--trainer.max_steps", "0"))  # fmt: skip
     assert cli.trainer.global_step == 0
     assert torch.equal(cli.model.model.conv1.weight, source.conv1.weight)
+
+
+def test_resume_follows_this_runs_schedule_and_starts_the_epoch_sums_empty(shapes_root: Path, tmp_path: Path) -> None:
+    """A cosine run resumed with more epochs decays over the new length; epoch-end sums do not carry over."""
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=8, workers=0, crop_size=32, val_resize=36)
+
+    def trainer(max_epochs: int, callbacks: list) -> pl.Trainer:
+        return pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_epochs=max_epochs,
+                          logger=CSVLogger(tmp_path),  # with a logger the metrics are reset after the checkpoint
+                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                          callbacks=callbacks)  # fmt: skip
+
+    def model() -> ImageClassifier:
+        return ImageClassifier("resnet18", num_classes=3, lr=0.4, warmup_epochs=0, lr_schedule="cosine")
+
+    # The checkpoint callback saves after validation, before Lightning resets the training metrics.
+    trainer(1, [ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="val/top1", mode="max", save_last=True)]).fit(
+        model(), dm
+    )
+    path = tmp_path / "ckpt" / "last.ckpt"
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert saved["train_loss.weight"] == 0 and saved["train_metrics.top1.weight"] == 0
+
+    class Watch(pl.Callback):
+        rates: list[float] = []
+        sums: list[float] = []
+
+        def on_train_epoch_start(self, trainer, pl_module) -> None:
+            self.sums.append(float(pl_module.train_loss.weight))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.rates.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+    watch = Watch()
+    trainer(2, [watch]).fit(model(), dm, ckpt_path=str(path))
+    steps, base = 3, 0.4 * 8 / 256  # 24 images in batches of 8
+    expected = [base * 0.5 * (1 + math.cos(math.pi * (steps + i) / (2 * steps))) for i in range(steps)]
+    assert watch.rates == pytest.approx(expected, rel=1e-9)
+    assert watch.sums == [0.0]
