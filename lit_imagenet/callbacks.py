@@ -47,6 +47,12 @@ class CUDAPrefetch(pl.Callback):
             datamodule.prefetch_device = None
 
 
+def writes_log_line(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
+    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
+    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
+
+
 def sync_device(pl_module: pl.LightningModule) -> None:
     """Waits for the module's GPU, so that a host clock measures the work queued so far."""
     if pl_module.device.type == "cuda":

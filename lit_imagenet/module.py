@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch
+from lit_imagenet.callbacks import CUDAPrefetch, writes_log_line
 from lit_imagenet.models import build_model, classifier_name
 from lit_imagenet.precision import ApexAMP
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
@@ -214,7 +214,7 @@ class ImageClassifier(pl.LightningModule):
     def _logs_this_step(self, batch_idx: int) -> bool:
         """Whether Lightning writes the step metrics after this batch, or it ends the epoch or the run."""
         trainer = self.trainer
-        if getattr(trainer._logger_connector, "should_update_logs", True):
+        if writes_log_line(trainer):
             return True
         if 0 < trainer.max_steps <= trainer.global_step + 1:
             return True

@@ -21,13 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import sync_device
-
-
-def _writes_log_line(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
-    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
-    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
+from lit_imagenet.callbacks import sync_device, writes_log_line
 
 
 class NonFiniteLossError(RuntimeError):
@@ -101,7 +95,7 @@ class NonFiniteGuard(pl.Callback):
         self._tripped_at = torch.where(trips, self._run_start, self._tripped_at)
         self._batches += 1
         every = self.check_every_n_steps
-        if (self._batches % every == 0) if every else _writes_log_line(trainer):
+        if (self._batches % every == 0) if every else writes_log_line(trainer):
             self._check(trainer)
 
     @override
@@ -111,7 +105,13 @@ class NonFiniteGuard(pl.Callback):
 
     def _check(self, trainer: pl.Trainer) -> None:
         assert self._tripped_at is not None
-        start = int(self._tripped_at.item())
+        tripped = self._tripped_at
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Every rank stops together: a rank raising alone would leave the others waiting in their
+            # next collective. The counts can differ by a step, as each rank sees its own losses.
+            tripped = tripped.clone()
+            torch.distributed.all_reduce(tripped, op=torch.distributed.ReduceOp.MAX)
+        start = int(tripped.item())
         if start < 0:
             return
         self._note_checkpoints(trainer)
@@ -157,7 +157,7 @@ class ConsoleLog(pl.Callback):
     ) -> None:
         self._images += int(batch[0].shape[0]) * trainer.world_size
         self._batches += 1
-        if not _writes_log_line(trainer):
+        if not writes_log_line(trainer):
             return
         sync_device(pl_module)
         now = time.perf_counter()

@@ -134,3 +134,27 @@ def test_training_figures_cover_every_batch_but_are_logged_on_log_steps(shapes_r
     for epoch, value in enumerate(epoch_losses):
         batches = seen[epoch * 3 : epoch * 3 + 3]
         assert value == pytest.approx(sum(loss * n for _, loss, n in batches) / sum(n for *_, n in batches), rel=1e-5)
+
+
+def _guard_rank(rank: int, init_file: str, results: str) -> None:
+    from types import SimpleNamespace
+
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    guard = NonFiniteGuard(max_consecutive=3)
+    guard._tripped_at = torch.tensor(7 if rank == 0 else -1)  # only rank 0 has reached the limit
+    try:
+        guard._check(SimpleNamespace(world_size=2, checkpoint_callbacks=[]))
+        outcome = "went on"
+    except NonFiniteLossError as err:
+        outcome = str(err)
+    finally:
+        torch.distributed.destroy_process_group()
+    Path(results, f"rank{rank}.txt").write_text(outcome)
+
+
+@pytest.mark.timeout(120)
+def test_every_rank_stops_when_one_rank_trips_the_guard(tmp_path: Path) -> None:
+    """A rank stopping alone would leave the others waiting in their next collective."""
+    torch.multiprocessing.spawn(_guard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        assert "consecutive batches from global step 7" in (tmp_path / f"rank{rank}.txt").read_text()
