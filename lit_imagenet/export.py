@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lit_imagenet.models import build_model
+from lit_imagenet.models import build_model, extract_state_dict
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD
 
 
@@ -35,8 +35,7 @@ def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
     if not hparams or "arch" not in hparams or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of this project (no hyperparameters); export needs one.")
     network = build_model(hparams["arch"], hparams["num_classes"])
-    state = {k.removeprefix("model."): v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-    network.load_state_dict(state)
+    network.load_state_dict(extract_state_dict(ckpt, str(path)))
     return network.eval(), dict(hparams)
 
 
