@@ -151,9 +151,9 @@ class PredictionWriter(BasePredictionWriter):
     ) -> None:
         if not isinstance(prediction, dict) or "probs" not in prediction or "index" not in prediction:
             raise ValueError("PredictionWriter needs predict_step to return {'probs': ..., 'index': ...}.")
-        probs = prediction["probs"].detach().float().cpu()
-        values, classes = probs.topk(min(self.top_k, probs.shape[1]), dim=1)
-        for index, cls, val in zip(prediction["index"].tolist(), classes.tolist(), values.tolist()):
+        probs = prediction["probs"].detach()
+        values, classes = probs.topk(min(self.top_k, probs.shape[1]), dim=1)  # on the device: k columns come back
+        for index, cls, val in zip(prediction["index"].tolist(), classes.tolist(), values.float().tolist()):
             self._rows.append((int(index), cls, val))
 
     def _gathered_rows(self, trainer: pl.Trainer) -> list[tuple[int, list[int], list[float]]]:

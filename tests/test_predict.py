@@ -78,3 +78,13 @@ def test_predict_without_checkpoint_or_classes_is_one_line(shapes_root: Path, tm
     assert capsys.readouterr().err.strip() == (
         "error: The number of classes is unknown; give --ckpt_path of a trained model or --data.root."
     )
+
+
+def test_predict_keeps_no_probabilities_in_memory_unless_asked(
+    shapes_root: Path, checkpoint: Path, tmp_path: Path
+) -> None:
+    args = ["predict", "--ckpt_path", str(checkpoint), "--data.predict_root", str(shapes_root / "val"),
+            *_common(tmp_path)]  # fmt: skip
+    assert main(args).trainer.predict_loop.predictions == []
+    kept = main([*args, "--return_predictions", "true"]).trainer.predict_loop.predictions
+    assert sum(len(batch["probs"]) for batch in kept) == 15
