@@ -29,7 +29,6 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchvision import transforms
-from torchvision.io import ImageReadMode, decode_image, read_file
 from torchvision.transforms import v2 as transforms_v2
 
 from lit_imagenet.errors import DataError
@@ -38,6 +37,7 @@ from lit_imagenet.gpu_decode import (
     EncodedImage,
     center_crop_box,
     collate_encoded,
+    decode_rgb_bytes,
     gpu_decodable,
     gpu_share_picks,
     jpeg_size,
@@ -127,7 +127,7 @@ def load_rgb(path: str) -> Image.Image:
         raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
 
 
-_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp", ".gif")
+_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
 
 
 def load_rgb_tensor(path: str) -> Tensor:
@@ -141,14 +141,7 @@ def load_rgb_tensor(path: str) -> Tensor:
     """
     if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
         return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
-    try:
-        img = decode_image(read_file(path), mode=ImageReadMode.RGB)
-    except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
-        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
-    if img.dtype != torch.uint8:  # 16-bit PNG
-        img = (img.to(torch.int32) >> 8).to(torch.uint8)
-    return img
+    return decode_rgb_bytes(read_bytes(path), path)
 
 
 def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:

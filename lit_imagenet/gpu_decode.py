@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -122,9 +122,16 @@ def gpu_share_picks(index: int, share: float) -> bool:
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
+    The encoded files lie end to end in one tensor, ``blob``: a batch leaves its loader worker as a
+    handful of tensors, each of which holds a shared-memory file open until it is received (with a
+    tensor per image, 15 workers with batches of 256 ran out of file descriptors), and it is pinned
+    with one copy.
+
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
-        encoded: The images to decode on the device.
+        blob: uint8, the encoded files of the images to decode on the device, one after the other.
+        lengths: The length in bytes of each of those files.
+        crops: For each of them: the crop box, whether to mirror it, and its path.
         encoded_positions: Their positions in the batch.
         decoded: uint8 ``(M, 3, S, S)`` images the workers decoded already (or ``None``).
         decoded_positions: Their positions in the batch.
@@ -133,7 +140,9 @@ class EncodedBatch:
     """
 
     targets: Tensor
-    encoded: list[EncodedImage]
+    blob: Tensor
+    lengths: list[int]
+    crops: list[tuple[CropBox, bool, str]]
     encoded_positions: list[int]
     decoded: Tensor | None
     decoded_positions: list[int]
@@ -143,90 +152,57 @@ class EncodedBatch:
     def __len__(self) -> int:
         return int(self.targets.shape[0])
 
-    def pin_memory(self) -> EncodedBatch:
-        """Pins the labels, the worker-decoded images and the encoded bytes (in one buffer, which nvJPEG reads)."""
-        decoded = self.decoded.pin_memory() if self.decoded is not None else None
-        blob, lengths = _pack(self.encoded)
-        return EncodedBatch(
-            self.targets.pin_memory(),
-            _unpack(self.encoded, blob.pin_memory(), lengths),
-            self.encoded_positions,
-            decoded,
-            self.decoded_positions,
-            self.size,
-            self.memory_format,
-        )
+    @property
+    def encoded(self) -> list[EncodedImage]:
+        """The images to decode on the device, their bytes as slices of ``blob``."""
+        out, start = [], 0
+        for (box, flip, path), length in zip(self.crops, self.lengths):
+            out.append(EncodedImage(self.blob[start : start + length], box, self.size, flip, path))
+            start += length
+        return out
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        # Sent from a loader worker, every tensor travels through a shared-memory file of its own: the
-        # encoded images go as one buffer, or a batch of 256 from each of 15 workers would hold
-        # thousands of file descriptors open at once (past the limit the workers' queues fail).
-        blob, lengths = _pack(self.encoded)
-        fields = (self.targets, self.encoded_positions, self.decoded, self.decoded_positions, self.size)
-        metadata = [item._replace(data=None) for item in self.encoded]  # the bytes go in the blob
-        return _rebuild_batch, (fields, metadata, blob, lengths, self.memory_format)
+    def pin_memory(self) -> EncodedBatch:
+        """Pins the labels, the worker-decoded images and the encoded bytes (which nvJPEG then reads)."""
+        return replace(
+            self,
+            targets=self.targets.pin_memory(),
+            blob=self.blob.pin_memory(),
+            decoded=self.decoded.pin_memory() if self.decoded is not None else None,
+        )
 
     def decode(self, device: torch.device | str) -> list[Tensor]:
         """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
 
-        Runs on the current CUDA stream (the prefetcher's side stream when it calls this).
+        Runs on the current CUDA stream (the prefetcher's decode stream when it calls this).
 
         Raises:
             DataError: An image cannot be decoded; the message names the file.
         """
         device = torch.device(device)
-        n = len(self)
-        images = torch.empty((n, 3, self.size, self.size), dtype=torch.uint8, device=device)
-        images = images.contiguous(memory_format=self.memory_format)
+        side = [self.size, self.size]
+        images = torch.empty((len(self), 3, *side), dtype=torch.uint8, device=device, memory_format=self.memory_format)
         if self.decoded is not None and self.decoded_positions:
             where = torch.tensor(self.decoded_positions, dtype=torch.int64, device=device)
             images.index_copy_(0, where, self.decoded.to(device, non_blocking=True))
-        if self.encoded:
-            pictures = _decode_all(self.encoded, device)
-            side = [self.size, self.size]
-            resized = torch.empty((len(self.encoded), 3, *side), dtype=torch.float32, device=device)
+        encoded = self.encoded
+        if encoded:
+            pictures = _decode_all(encoded, device)
+            resized = torch.empty((len(encoded), 3, *side), dtype=torch.float32, device=device)
             # The op behind F.interpolate(..., mode="bilinear", antialias=True), writing straight into the
             # batch: this loop runs once per image, and its host time is what decoding costs the CPU.
             resize = torch._C._nn._upsample_bilinear2d_aa
-            for k, (item, picture) in enumerate(zip(self.encoded, pictures)):
+            for k, (item, picture) in enumerate(zip(encoded, pictures)):
                 top, left, height, width = item.box
                 resize(picture[None, :, top : top + height, left : left + width].float(), side, False,
                        out=resized[k : k + 1])  # fmt: skip
-            flips = [k for k, item in enumerate(self.encoded) if item.flip]
-            if flips:
+            out = resized.round_().clamp_(0, 255).to(torch.uint8)
+            flips = [k for k, item in enumerate(encoded) if item.flip]
+            if flips:  # mirrored in uint8: a quarter of the bytes of the float images
                 which = torch.tensor(flips, dtype=torch.int64, device=device)
-                resized.index_copy_(0, which, resized.index_select(0, which).flip(-1))
+                out.index_copy_(0, which, out.index_select(0, which).flip(-1))
             where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
-            images.index_copy_(0, where, resized.round_().clamp_(0, 255).to(torch.uint8))
+            images.index_copy_(0, where, out)
         return [images, self.targets.to(device, non_blocking=True)]
-
-
-def _pack(items: Sequence[EncodedImage]) -> tuple[Tensor, list[int]]:
-    """The encoded bytes of ``items`` end to end in one tensor, and each one's length."""
-    lengths = [int(item.data.numel()) for item in items]
-    blob = torch.cat([item.data.reshape(-1) for item in items]) if items else torch.empty(0, dtype=torch.uint8)
-    return blob, lengths
-
-
-def _unpack(items: Sequence[EncodedImage], blob: Tensor, lengths: Sequence[int]) -> list[EncodedImage]:
-    """``items`` with their bytes as consecutive slices of ``blob`` (contiguous, as nvJPEG needs them)."""
-    out, start = [], 0
-    for item, length in zip(items, lengths):
-        out.append(item._replace(data=blob[start : start + length]))
-        start += length
-    return out
-
-
-def _rebuild_batch(
-    fields: tuple[Any, ...],
-    items: list[EncodedImage],
-    blob: Tensor,
-    lengths: list[int],
-    memory_format: torch.memory_format,
-) -> EncodedBatch:
-    targets, encoded_positions, decoded, decoded_positions, size = fields
-    encoded = _unpack(items, blob, lengths)
-    return EncodedBatch(targets, encoded, encoded_positions, decoded, decoded_positions, size, memory_format)
 
 
 def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:
@@ -241,17 +217,24 @@ def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Ten
         try:
             out.append(decode_jpeg(item.data, mode=ImageReadMode.RGB, device=device))
         except RuntimeError:
-            out.append(_decode_on_cpu(item).to(device))
+            out.append(decode_rgb_bytes(item.data, item.path).to(device))  # the JPEGs nvJPEG does not take
     return out
 
 
-def _decode_on_cpu(item: EncodedImage) -> Tensor:
-    """The bytes already read, decoded by libjpeg-turbo: for the JPEGs nvJPEG does not take."""
+def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
+    """An encoded JPEG, PNG or WebP decoded on the CPU by ``torchvision.io``, as uint8 ``(3, H, W)`` RGB.
+
+    Raises:
+        DataError: The bytes cannot be decoded; the message names ``path``.
+    """
     try:
-        return decode_image(item.data, mode=ImageReadMode.RGB)
+        img = decode_image(data, mode=ImageReadMode.RGB)
     except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
-        raise DataError(f"Cannot decode image {item.path} ({reason}); replace or remove the file.") from None
+        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
+    if img.dtype != torch.uint8:  # 16-bit PNG
+        img = (img.to(torch.int32) >> 8).to(torch.uint8)
+    return img
 
 
 def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format) -> EncodedBatch:
@@ -278,4 +261,15 @@ def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memor
             decoded_positions.append(pos)
     stacked = torch.stack(decoded) if decoded else None
     assert size is not None
-    return EncodedBatch(targets, encoded, encoded_positions, stacked, decoded_positions, size, memory_format)
+    blob = torch.cat([item.data.reshape(-1) for item in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+    return EncodedBatch(
+        targets,
+        blob,
+        [int(item.data.numel()) for item in encoded],
+        [(item.box, item.flip, item.path) for item in encoded],
+        encoded_positions,
+        stacked,
+        decoded_positions,
+        size,
+        memory_format,
+    )
