@@ -146,12 +146,6 @@ def make_shapes(
     return root
 
 
-if __name__ == "__main__":
-    from jsonargparse import CLI
-
-    CLI(make_shapes)
-
-
 class SyntheticBatches:
     """``steps`` times the same ``[uint8 images, int64 targets]`` batch, made on ``device`` at each pass."""
 
@@ -235,3 +229,9 @@ class SyntheticDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> SyntheticBatches:
         return self._batches(self.val_steps)
+
+
+if __name__ == "__main__":
+    from jsonargparse import CLI
+
+    CLI(make_shapes)
