@@ -6,7 +6,7 @@ moving over think in opt levels, so:
 
 - ``ApexAMP`` is a precision plugin that drives ``apex.amp`` (``amp.initialize``, ``amp.scale_loss``,
   the loss scaler's state in checkpoints, clipping on apex's master parameters).
-- ``ApexDDPStrategy`` (``--trainer.strategy ddp_apex``) is ``ddp_default_stream`` with one change
+- ``ApexDDPStrategy`` (``--trainer.strategy ddp_apex``) is Lightning's DDP strategy with one change
   of order: apex needs ``amp.initialize`` to see the bare model and its optimizer before DDP wraps the
   model, while Lightning's DDP strategy wraps first and connects the precision plugin afterwards.
 - ``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale``
@@ -27,15 +27,13 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from pytorch_lightning.strategies import StrategyRegistry
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
-
-from lit_imagenet.ddp import DefaultStreamDDPStrategy
 
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -172,11 +170,11 @@ class ApexAMP(Precision):
             self._pending_state = dict(state_dict)
 
 
-class ApexDDPStrategy(DefaultStreamDDPStrategy):
-    """``ddp_default_stream``, but ``amp.initialize`` runs on the bare model before DDP wraps it.
+class ApexDDPStrategy(DDPStrategy):
+    """Lightning's DDP strategy, but ``amp.initialize`` runs on the bare model before DDP wraps it.
 
     Registered as ``ddp_apex``. With any precision plugin other than ``ApexAMP`` it behaves exactly
-    like ``ddp_default_stream`` (Lightning's DDP, with the model wrapped on the training stream).
+    like ``ddp``.
     """
 
     strategy_name = "ddp_apex"

@@ -9,14 +9,12 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 
 from lit_imagenet.ddp import DefaultStreamDDPStrategy
-from lit_imagenet.precision import ApexDDPStrategy
 from tests.cli_args import fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("strategy_class", [DefaultStreamDDPStrategy, ApexDDPStrategy])
-def test_the_model_is_wrapped_without_a_side_stream(monkeypatch: pytest.MonkeyPatch, strategy_class: type) -> None:
+def test_the_model_is_wrapped_without_a_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
 
     def no_side_stream(*args, **kwargs):
@@ -25,7 +23,7 @@ def test_the_model_is_wrapped_without_a_side_stream(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(torch.cuda, "Stream", no_side_stream)
     monkeypatch.setattr("lit_imagenet.ddp.DistributedDataParallel", lambda module, device_ids, **kw: made.append(
         (module, device_ids)) or "wrapped")  # fmt: skip
-    strategy = strategy_class()
+    strategy = DefaultStreamDDPStrategy()
     monkeypatch.setattr(strategy, "determine_ddp_device_ids", lambda: [0])
     model = torch.nn.Linear(2, 2)
     assert strategy._setup_model(model) == "wrapped" and made == [(model, [0])]
