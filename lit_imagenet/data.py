@@ -391,6 +391,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
             workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
             and the CPU cores have time to spare.
+        gpu_decode_ahead: With ``decoder: nvjpeg``, how many batches are queued for decoding on the
+            GPU while the current one trains. More even out slow batches; each holds a decoded batch
+            in GPU memory.
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
     """
@@ -410,6 +413,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         seed: int | None = None,
         decoder: Literal["pil", "torchvision", "nvjpeg"] = "pil",
         gpu_share: float = 1.0,
+        gpu_decode_ahead: int = 2,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -437,8 +441,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise ValueError(f"decoder must be 'pil', 'torchvision' or 'nvjpeg'. Got {decoder!r}")
         if not 0.0 <= gpu_share <= 1.0:
             raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
+        if gpu_decode_ahead < 1:
+            raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
         self.decoder = decoder
         self.gpu_share = float(gpu_share)
+        self.gpu_decode_ahead = gpu_decode_ahead
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
@@ -548,6 +555,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             device=self.prefetch_device,
             mean=self.mean,
             std=self.std,
+            decode_ahead=self.gpu_decode_ahead,
         )
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:

@@ -15,12 +15,14 @@ uint8 batch itself after Lightning's transfer.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -75,26 +77,38 @@ def _record(batch: Any, stream: torch.cuda.Stream) -> None:
 
 
 class CUDAPrefetcher:
-    """Iterates ``source`` one batch ahead, copying and normalising each batch on a side stream.
+    """Iterates ``source`` ahead of the training loop, copying and normalising each batch on a side stream.
 
     A batch is a list or tuple whose first element is a uint8 image tensor; every tensor in it is
-    moved to ``device``, and the images are normalised to float32.
+    moved to ``device``, and the images are normalised to float32. Such batches are prepared one
+    step ahead.
 
     A batch with a ``decode(device)`` method (an ``EncodedBatch`` of JPEGs for nvJPEG) is decoded in
     a background thread, on a stream of its own: nvJPEG's batched decode blocks the calling thread
     until the GPU has finished, and done inline that wait would stall the launching of the current
-    training step. The thread only holds the next batch; the hand-over waits for its work on the
-    device, not on the host.
+    training step. Up to ``decode_ahead`` batches are queued for that thread, so that a batch which
+    takes longer than a step to decode is made up by the next ones. The hand-over waits for the
+    batch's work on the device, not on the host.
+
+    In a profiler trace the host side shows as ``prefetch: next batch`` (waiting for the loader),
+    ``prefetch: wait for decode`` (the training loop waiting for the decode thread) and
+    ``prefetch: decode`` (the decode thread's work).
     """
 
-    def __init__(self, source: Iterator[Any], device: torch.device, normalize: Uint8Normalize) -> None:
+    def __init__(
+        self, source: Iterator[Any], device: torch.device, normalize: Uint8Normalize, decode_ahead: int = 2
+    ) -> None:
+        if decode_ahead < 1:
+            raise ValueError(f"decode_ahead must be at least 1. Got {decode_ahead}")
         self.source = source
         self.device = device
         self.normalize = normalize.to(device)
+        self.decode_ahead = decode_ahead
         self.stream = torch.cuda.Stream(device=device)
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
-        self._next: Future[tuple[Any, torch.cuda.Event | None]] | None = None
+        self._pending: deque[Future[tuple[Any, torch.cuda.Event | None]]] = deque()
+        self._exhausted = False
         self._preload()
 
     def _normalized(self, batch: Any) -> Any:
@@ -105,40 +119,47 @@ class CUDAPrefetcher:
     def _decode(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
         # Runs in the decode thread: the current device and stream are per thread.
         assert self._decode_stream is not None
-        with torch.cuda.device(self.device), torch.cuda.stream(self._decode_stream):
+        stream = self._decode_stream
+        with record_function("prefetch: decode"), torch.cuda.device(self.device), torch.cuda.stream(stream):
             out = self._normalized(batch.decode(self.device))
             done = torch.cuda.Event()
-            done.record(self._decode_stream)
+            done.record(stream)
         return out, done
 
     def _preload(self) -> None:
-        try:
-            batch = next(self.source)
-        except StopIteration:
-            self._next = None
-            if self._decoder is not None:
-                self._decoder.shutdown(wait=False)
-                self._decoder = None
-            return
-        if hasattr(batch, "decode"):
-            if self._decoder is None:
-                self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
-                self._decode_stream = torch.cuda.Stream(device=self.device)
-            self._next = self._decoder.submit(self._decode, batch)
-            return
-        with torch.cuda.stream(self.stream):
-            out = self._normalized(_to_device(batch, self.device))
-        ready: Future[tuple[Any, torch.cuda.Event | None]] = Future()
-        ready.set_result((out, None))
-        self._next = ready
+        """Queues batches until ``decode_ahead`` encoded batches, or one plain batch, are on their way."""
+        while not self._exhausted:
+            depth = self.decode_ahead if self._decoder is not None else 1
+            if len(self._pending) >= depth:
+                return
+            try:
+                with record_function("prefetch: next batch"):
+                    batch = next(self.source)
+            except StopIteration:
+                self._exhausted = True
+                if self._decoder is not None:
+                    self._decoder.shutdown(wait=False)  # the queued batches still finish
+                return
+            if hasattr(batch, "decode"):
+                if self._decoder is None:
+                    self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
+                    self._decode_stream = torch.cuda.Stream(device=self.device)
+                self._pending.append(self._decoder.submit(self._decode, batch))
+                continue
+            with torch.cuda.stream(self.stream):
+                out = self._normalized(_to_device(batch, self.device))
+            ready: Future[tuple[Any, torch.cuda.Event | None]] = Future()
+            ready.set_result((out, None))
+            self._pending.append(ready)
 
     def __iter__(self) -> CUDAPrefetcher:
         return self
 
     def __next__(self) -> Any:
-        if self._next is None:
+        if not self._pending:
             raise StopIteration
-        batch, done = self._next.result()  # an error from decoding is raised here, in the training loop
+        with record_function("prefetch: wait for decode"):
+            batch, done = self._pending.popleft().result()  # an error from decoding is raised here, in the loop
         current = torch.cuda.current_stream(self.device)
         if done is None:
             current.wait_stream(self.stream)
@@ -157,6 +178,7 @@ class PrefetchLoader(DataLoader):
         device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
         mean: Per-channel mean for normalisation on the GPU.
         std: Per-channel standard deviation for normalisation on the GPU.
+        decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``).
         **kwargs: Passed to ``DataLoader``.
     """
 
@@ -166,12 +188,16 @@ class PrefetchLoader(DataLoader):
         device: torch.device | str | None = None,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        decode_ahead: int = 2,
         **kwargs: Any,
     ) -> None:
+        if decode_ahead < 1:
+            raise ValueError(f"decode_ahead must be at least 1. Got {decode_ahead}")
         super().__init__(*args, **kwargs)
         self.device = torch.device(device) if device is not None else None
         self.mean = tuple(mean)
         self.std = tuple(std)
+        self.decode_ahead = decode_ahead
         self._next_epoch: tuple[int, Iterator[Any]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -234,4 +260,4 @@ class PrefetchLoader(DataLoader):
         source = self._epoch(source)
         if self.device is None or self.device.type != "cuda":
             return source
-        return CUDAPrefetcher(source, self.device, Uint8Normalize(self.mean, self.std))
+        return CUDAPrefetcher(source, self.device, Uint8Normalize(self.mean, self.std), self.decode_ahead)

@@ -122,6 +122,17 @@ def test_pinning_keeps_the_batch(shapes_root: Path) -> None:
     batch = next(iter(_module(shapes_root, "nvjpeg", gpu_share=0.5).train_dataloader()))
     pinned = batch.pin_memory()
     assert pinned.targets.is_pinned() and len(pinned.encoded) == len(batch.encoded)
+    assert pinned.blob.is_pinned() and torch.equal(pinned.blob, batch.blob)
+    assert all(torch.equal(a.data, b.data) for a, b in zip(pinned.encoded, batch.encoded))
+
+
+def test_gpu_decode_ahead_is_checked(shapes_root: Path) -> None:
+    with pytest.raises(ValueError, match="gpu_decode_ahead must be at least 1. Got 0"):
+        _module(shapes_root, "nvjpeg", gpu_decode_ahead=0)
+
+
+def test_gpu_decode_ahead_reaches_the_loader(shapes_root: Path) -> None:
+    assert _module(shapes_root, "nvjpeg", gpu_decode_ahead=4).train_dataloader().decode_ahead == 4
 
 
 def test_gpu_share_is_checked(shapes_root: Path) -> None:
@@ -139,12 +150,13 @@ def test_worker_side_decoding_matches_load_rgb_tensor(shapes_root: Path) -> None
 
 
 @pytest.mark.gpu
-def test_prefetched_nvjpeg_batches_equal_inline_decoding(shapes_root: Path) -> None:
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_prefetched_nvjpeg_batches_equal_inline_decoding(shapes_root: Path, ahead: int) -> None:
     """The prefetcher decodes in a thread of its own; the batches must be those decoded inline, in order."""
     from lit_imagenet.prefetch import Uint8Normalize
 
     device = torch.device("cuda")
-    dm = _module(shapes_root, "nvjpeg", gpu_share=0.5)
+    dm = _module(shapes_root, "nvjpeg", gpu_share=0.5, gpu_decode_ahead=ahead)
     inline = [batch.decode(device) for batch in dm.train_dataloader()]
     dm.prefetch_device = device
     prefetched = list(dm.train_dataloader())
