@@ -343,6 +343,7 @@ class Profile(pl.Callback):
         self._active = False
         self._in_optimizer_step = False
         self._profiler: torch.profiler.profile | None = None
+        self._step_range: torch.profiler.record_function | None = None
         self._hooks: list[Any] = []
 
     def _push(self, name: str) -> None:
@@ -380,6 +381,16 @@ class Profile(pl.Callback):
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.start()
         self._push(f"step {self._batch}")
+        self._open_step_range()
+
+    def _open_step_range(self) -> None:
+        # "train step N" in the trace: from this batch's start to the next one's (the loader's wait included)
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+        if self._profiler is not None and self._batch < self.start_step + self.steps:
+            self._step_range = torch.profiler.record_function(f"train step {self._batch}")
+            self._step_range.__enter__()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -408,12 +419,17 @@ class Profile(pl.Callback):
         if self._active and self._batch >= self.start_step + self.steps:
             self._stop(trainer)
             trainer.should_stop = True
+        elif self._active:
+            self._open_step_range()
 
     def _stop(self, trainer: pl.Trainer) -> None:
         self._active = False
         if self._cuda:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
         if self._profiler is not None:
             self._profiler.stop()
             folder = Path(trainer.log_dir or trainer.default_root_dir)

@@ -74,3 +74,47 @@ def test_loader_speed_runs_on_cpu(shapes_root: Path, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert [r["decoder"] for r in report["loaders"]] == ["pil", "torchvision", "nvjpeg@0.5"]
     assert all(r["images_per_sec"] > 0 and r["batches"] == 2 for r in report["loaders"])
+
+
+def test_trace_reader_measures_streams_steps_and_prefetch_ranges() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from trace_overlap import analyse
+    finally:
+        sys.path.pop(0)
+
+    def ev(cat: str, name: str, ts: float, dur: float, tid: int | str = 1, **args: int) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {
+        "traceEvents": [
+            # main stream 7: busy 0-400 and 600-1000 us (two overlapping kernels count once), idle 200 us
+            ev("kernel", "conv", 0, 300, "stream 7", stream=7),
+            ev("kernel", "bn", 100, 300, "stream 7", stream=7),
+            ev("kernel", "relu", 600, 400, "stream 7", stream=7),
+            # decode stream 20: 300-700, of which 200 us beside the main stream's kernels (300-400, 600-700)
+            ev("kernel", "resize", 300, 400, "stream 20", stream=20),
+            ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 350, 100, "stream 21", stream=21),
+            ev("user_annotation", "train step 0", 0, 400),
+            ev("user_annotation", "train step 1", 400, 300),
+            ev("user_annotation", "train step 2", 700, 500),
+            ev("user_annotation", "prefetch: wait for decode", 400, 50),
+            ev("user_annotation", "prefetch: wait for decode", 700, 30),
+            ev("user_annotation", "prefetch: decode", 300, 200, tid=2),
+            ev("cuda_runtime", "cudaStreamSynchronize", 450, 40, tid=2),
+            ev("cpu_op", "aten::conv", 0, 100),
+            ev("cpu_op", "aten::add", 50, 100),
+            ev("cpu_op", "aten::resize", 300, 10, tid=2),
+            {"ph": "i", "name": "marker", "ts": 5},
+        ]
+    }
+    out = analyse(trace)
+    assert out["main_stream"] == 7
+    assert out["streams"]["7"] == {"kernels": 3, "busy_ms": 0.8, "busy_ms_beside_main_stream": 0.0}
+    assert out["streams"]["20"] == {"kernels": 1, "busy_ms": 0.4, "busy_ms_beside_main_stream": 0.2}
+    assert out["main_stream_window_ms"] == 1.0 and abs(out["main_stream_idle_ms"] - 0.2) < 1e-9
+    assert out["htod_copies_on_side_streams"] == 1 and out["htod_ms_overlapping_main_stream_kernels"] == 0.05
+    assert out["steps"] == 2 and out["step_ms_mean"] == 0.4 and out["step_ms_max"] == 0.5
+    main, decode = out["threads"]["1"], out["threads"]["2"]
+    assert main["prefetch: wait for decode (ms, count)"] == [0.08, 2] and main["operator_ms"] == 0.15
+    assert decode["prefetch: decode (ms, count)"] == [0.2, 1] and decode["sync_ms"] == 0.04

@@ -93,6 +93,8 @@ def test_profile_window_ends_the_run_and_writes_a_trace(shapes_root: Path, tmp_p
     assert profile.trace_path == Path(trainer.log_dir) / "trace.json"
     events = json.loads(profile.trace_path.read_text())["traceEvents"]
     assert any("conv" in str(e.get("name", "")).lower() for e in events)
+    steps = sorted(e["name"] for e in events if str(e.get("name", "")).startswith("train step "))
+    assert steps == ["train step 2", "train step 3", "train step 4"]
 
 
 @pytest.fixture
