@@ -16,8 +16,10 @@ neither can decode raises ``DataError`` naming it.
 
 from __future__ import annotations
 
+import functools
 import io
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -187,22 +189,47 @@ class EncodedBatch:
         encoded = self.encoded
         if encoded:
             pictures = _decode_all(encoded, device)
-            resized = torch.empty((len(encoded), 3, *side), dtype=torch.float32, device=device)
-            # The op behind F.interpolate(..., mode="bilinear", antialias=True), writing straight into the
-            # batch: this loop runs once per image, and its host time is what decoding costs the CPU.
-            resize = torch._C._nn._upsample_bilinear2d_aa
-            for k, (item, picture) in enumerate(zip(encoded, pictures)):
-                top, left, height, width = item.box
-                resize(picture[None, :, top : top + height, left : left + width].float(), side, False,
-                       out=resized[k : k + 1])  # fmt: skip
-            out = resized.round_().clamp_(0, 255).to(torch.uint8)
+            boxes = [list(item.box) for item in encoded]
             flips = [k for k, item in enumerate(encoded) if item.flip]
-            if flips:  # mirrored in uint8: a quarter of the bytes of the float images
-                which = torch.tensor(flips, dtype=torch.int64, device=device)
-                out.index_copy_(0, which, out.index_select(0, which).flip(-1))
+            out = _scripted_resize_crops()(pictures, boxes, flips, self.size)
             where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
             images.index_copy_(0, where, out)
         return [images, self.targets.to(device, non_blocking=True)]
+
+
+def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int], size: int) -> Tensor:
+    """Cuts ``boxes[k]`` (top, left, height, width) from each uint8 ``(3, H, W)`` picture, resizes it to ``size``
+    squared with antialiased bilinear interpolation (as ``F.interpolate(..., antialias=True)``), rounds it to uint8
+    and mirrors the pictures listed in ``flips``: a uint8 ``(N, 3, size, size)`` batch.
+    """
+    resized = torch.empty((len(pictures), 3, size, size), dtype=torch.float32, device=pictures[0].device)
+    for k in range(len(pictures)):
+        box = boxes[k]
+        crop = pictures[k][:, box[0] : box[0] + box[2], box[1] : box[1] + box[3]].unsqueeze(0).float()
+        # The op behind F.interpolate(..., mode="bilinear", antialias=True), writing straight into the batch
+        torch._C._nn._upsample_bilinear2d_aa(crop, [size, size], False, out=resized[k : k + 1])
+    out = resized.round_().clamp_(0, 255).to(torch.uint8)
+    if len(flips) > 0:  # mirrored in uint8: a quarter of the bytes of the float images
+        which = torch.tensor(flips, dtype=torch.int64, device=out.device)
+        out.index_copy_(0, which, out.index_select(0, which).flip(-1))
+    return out
+
+
+@functools.cache
+def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[int], int], Tensor]:
+    """``resize_crops`` compiled by TorchScript, or itself where TorchScript is not available.
+
+    Compiled, the loop over a batch's pictures runs without the GIL: in Python each of its few hundred
+    operator calls releases and takes back the GIL, and while the training loop runs in another
+    thread, each taking back waits for it. Measured on a 2-core machine beside a thread running pure
+    Python: 44 ms compiled and 4.4 s as Python, for 256 small pictures that take 9 ms with no such thread.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TorchScript is deprecated in favour of torch.compile, which
+            return torch.jit.script(resize_crops)  # cannot compile a loop over pictures of varying sizes
+    except Exception:  # a PyTorch without TorchScript
+        return resize_crops
 
 
 def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:

@@ -210,3 +210,18 @@ def test_large_encoded_batches_cross_from_workers_under_a_low_open_file_limit(tm
 def _module_like(dm: ImageFolderDataModule, **changes) -> ImageFolderDataModule:
     kwargs = {**dict(dm.hparams), **changes}
     return ImageFolderDataModule(**kwargs)
+
+
+def test_compiled_crop_resize_equals_the_python_one() -> None:
+    from lit_imagenet.gpu_decode import _scripted_resize_crops, resize_crops
+
+    gen = torch.Generator().manual_seed(0)
+    pictures = [torch.randint(0, 256, (3, 40 + k, 50 - k), dtype=torch.uint8, generator=gen) for k in range(6)]
+    boxes = [[k, 2 * k, 30, 20 + k] for k in range(6)]
+    flips = [1, 4]
+    expected = resize_crops(pictures, boxes, flips, 16)
+    assert expected.shape == (6, 3, 16, 16) and expected.dtype == torch.uint8
+    assert torch.equal(_scripted_resize_crops()(pictures, boxes, flips, 16), expected)
+    crop = pictures[4][None, :, 4:34, 8:32].float()
+    by_hand = torch.nn.functional.interpolate(crop, size=[16, 16], mode="bilinear", antialias=True)
+    assert torch.equal(expected[4], by_hand[0].round().clamp(0, 255).to(torch.uint8).flip(-1))
