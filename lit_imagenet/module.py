@@ -86,7 +86,9 @@ class ImageClassifier(pl.LightningModule):
             they are stored in checkpoints.
         compile: Compile the network with ``torch.compile`` (in place, ``nn.Module.compile``: the
             parameter names, and so the checkpoints, are those of the plain network). The first
-            steps take longer while it compiles.
+            steps take longer while it compiles. Shapes are kept static: a batch of another size (an
+            epoch's short last batch, validation) gets a graph of its own, where by default it would
+            turn the training graph into one for any batch size, used for the rest of the run.
         fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
             same pass. ``None``: on when the parameters are on a CUDA device and the precision is
             Lightning's own (not apex AMP, which manages the optimizer itself).
@@ -158,7 +160,7 @@ class ImageClassifier(pl.LightningModule):
         if use:
             self.model.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
-            self.model.compile()
+            self.model.compile(dynamic=False)
             self._compiled = True
 
     def head_parameters(self) -> list[nn.Parameter]:

@@ -131,3 +131,25 @@ def test_fused_sgd_steps_like_plain_sgd_even_after_a_skipped_first_step() -> Non
     for a, b in zip(*(m.parameters() for m in models)):
         assert torch.isfinite(b).all()
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -> None:
+    """An epoch's short last batch must not turn the training graph into a dynamic-shape one."""
+    import functools
+
+    graphs: list[bool] = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(any(not isinstance(x, torch.Tensor) for x in example_inputs))  # symbolic sizes come as ints
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=recording_backend))
+    torch._dynamo.reset()
+    module = ImageClassifier("resnet18", num_classes=3, channels_last=False, compile=True)
+    module.setup("fit")
+    try:
+        for size in (4, 4, 2, 4):
+            module.model(torch.randn(size, 3, 32, 32))
+    finally:
+        torch._dynamo.reset()
+    assert graphs == [False, False]  # one graph per batch size, none of them for any size
