@@ -383,11 +383,15 @@ class Profile(pl.Callback):
         self._push(f"step {self._batch}")
         self._open_step_range()
 
-    def _open_step_range(self) -> None:
-        # "train step N" in the trace: from this batch's start to the next one's (the loader's wait included)
+    def _close_step_range(self) -> None:
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
+
+    def _open_step_range(self) -> None:
+        # "train step N" in the trace: from the end of batch N-1 to the end of batch N, the wait for the
+        # batch included (the first profiled one starts at its own batch start)
+        self._close_step_range()
         if self._profiler is not None and self._batch < self.start_step + self.steps:
             self._step_range = torch.profiler.record_function(f"train step {self._batch}")
             self._step_range.__enter__()
@@ -427,9 +431,7 @@ class Profile(pl.Callback):
         if self._cuda:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
-        if self._step_range is not None:
-            self._step_range.__exit__(None, None, None)
-            self._step_range = None
+        self._close_step_range()
         if self._profiler is not None:
             self._profiler.stop()
             folder = Path(trainer.log_dir or trainer.default_root_dir)

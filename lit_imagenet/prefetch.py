@@ -181,7 +181,7 @@ class PrefetchLoader(DataLoader):
         device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
         mean: Per-channel mean for normalisation on the GPU.
         std: Per-channel standard deviation for normalisation on the GPU.
-        decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``).
+        decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``, which checks it).
         **kwargs: Passed to ``DataLoader``.
     """
 
@@ -194,8 +194,6 @@ class PrefetchLoader(DataLoader):
         decode_ahead: int = 2,
         **kwargs: Any,
     ) -> None:
-        if decode_ahead < 1:
-            raise ValueError(f"decode_ahead must be at least 1. Got {decode_ahead}")
         super().__init__(*args, **kwargs)
         self.device = torch.device(device) if device is not None else None
         self.mean = tuple(mean)
