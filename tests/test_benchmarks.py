@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -118,3 +120,14 @@ def test_trace_reader_measures_streams_steps_and_prefetch_ranges() -> None:
     main, decode = out["threads"]["1"], out["threads"]["2"]
     assert main["prefetch: wait for decode (ms, count)"] == [0.08, 2] and main["operator_ms"] == 0.15
     assert decode["prefetch: decode (ms, count)"] == [0.2, 1] and decode["sync_ms"] == 0.04
+
+
+def test_resize_gil_benchmark_times_both_versions() -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from resize_gil import measure
+    finally:
+        sys.path.pop(0)
+    out = measure(pictures=4, height=12, width=10, size=6, repeats=1, device=torch.device("cpu"))
+    assert set(out) == {f"{v}_{w}_ms" for v in ("python", "torchscript") for w in ("alone", "beside_busy_thread")}
+    assert all(value > 0 for value in out.values())
