@@ -22,13 +22,18 @@ from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
 def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
+    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks.
+
+    Each metric keeps its own state (no torchmetrics compute groups, which merge metrics whose
+    states happen to be equal after the first batch).
+    """
     return MetricCollection(
         {
             "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
             "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
         },
         prefix=prefix,
+        compute_groups=False,
     )
 
 
@@ -54,8 +59,15 @@ class TopKAccuracy(MeanMetric):
 
 
 def train_accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free."""
-    return MetricCollection({"top1": TopKAccuracy(1), "top5": TopKAccuracy(min(5, num_classes))}, prefix=prefix)
+    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free.
+
+    No compute groups: torchmetrics would merge the two metrics into one whenever their states are
+    equal after the first batch (no label in any top 5, common at the start from scratch), and
+    top-5 would then report top-1 for the rest of the run; comparing them also reads the GPU.
+    """
+    return MetricCollection(
+        {"top1": TopKAccuracy(1), "top5": TopKAccuracy(min(5, num_classes))}, prefix=prefix, compute_groups=False
+    )
 
 
 class ImageClassifier(pl.LightningModule):

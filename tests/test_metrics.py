@@ -44,3 +44,19 @@ def test_train_metrics_give_the_batch_value_when_called() -> None:
     assert step["train/top1"].item() == 0.5 and step["train/top5"].item() == 1.0
     metrics(logits, torch.tensor([0, 1, 2, 3]))
     assert metrics.compute()["train/top1"].item() == 0.75
+
+
+@pytest.mark.parametrize("make", [accuracy_metrics, train_accuracy_metrics])
+def test_top1_and_top5_stay_apart_when_their_first_batches_agree(make) -> None:
+    """No label in the first batch's top 5: top-1 and top-5 counts are equal after it, and must not be merged."""
+    metrics = make(10, "train/")
+    targets = torch.tensor([0, 1, 2, 3])
+    first = torch.zeros(4, 10)
+    first[:, 5:] = torch.arange(5, 0, -1).float()  # the top 5 are classes 5 to 9
+    metrics.update(first, targets)
+    second = torch.zeros(4, 10)
+    second[:, 9] = 2.0
+    second[torch.arange(4), targets] = 1.0  # every label second: a top-1 miss and a top-5 hit
+    metrics.update(second, targets)
+    got = metrics.compute()
+    assert got["train/top1"].item() == 0.0 and got["train/top5"].item() == 0.5
