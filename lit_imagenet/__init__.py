@@ -1,6 +1,6 @@
 """lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning."""
 
-from lit_imagenet.callbacks import CUDAPrefetch, PredictionWriter, Throughput
+from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
 from lit_imagenet.data import DataError, ImageFolderDataModule, collate_uint8
 from lit_imagenet.module import ImageClassifier
 from lit_imagenet.prefetch import PrefetchLoader, Uint8Normalize
@@ -11,6 +11,7 @@ __all__ = [
     "DataError",
     "ImageClassifier",
     "ImageFolderDataModule",
+    "LearningRateLog",
     "PredictionWriter",
     "PrefetchLoader",
     "Throughput",

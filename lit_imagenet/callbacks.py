@@ -1,4 +1,4 @@
-"""Callbacks: the GPU prefetcher's switch, a throughput meter, and the writer of predictions to CSV."""
+"""Callbacks: the GPU prefetcher's switch, a throughput meter, the learning-rate log, and the writer of predictions."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
+from torch import Tensor
 from typing_extensions import override
 
 
@@ -57,6 +58,93 @@ def sync_device(pl_module: pl.LightningModule) -> None:
     """Waits for the module's GPU, so that a host clock measures the work queued so far."""
     if pl_module.device.type == "cuda":
         torch.cuda.synchronize(pl_module.device)
+
+
+def copy_to_host(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """Starts copying ``tensor`` to host memory, without waiting for the GPU.
+
+    Returns the copy and, for a CUDA tensor, an event recorded right after it on the tensor's
+    current stream: call ``event.synchronize()`` before reading the copy. That wait lasts until the
+    GPU has done the work queued before the copy, not the work queued since, so a value read a
+    little later (after the step's backward pass and optimizer step were queued) costs the GPU no
+    idle time, where ``.item()`` or ``.cpu()`` would wait for the whole queue.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda":
+        return tensor.clone(), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    stream = torch.cuda.current_stream(tensor.device)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return host, event
+
+
+def read_host_copy(copy: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
+    """The value of a ``copy_to_host`` copy, once the GPU has written it."""
+    host, ready = copy
+    if ready is not None:
+        ready.synchronize()
+    return host
+
+
+class LearningRateLog(pl.Callback):
+    """Logs each optimizer's learning rates on Lightning's log steps, or at the start of each epoch.
+
+    The names are those of Lightning's ``LearningRateMonitor``: ``lr-SGD``, or ``lr-SGD/pg1``,
+    ``lr-SGD/pg2``... when the optimizer has several parameter groups (a group's ``name`` entry
+    replaces ``pgN``), with ``-1``, ``-2``... after the optimizer's name when several optimizers share
+    it. Unlike ``LearningRateMonitor``, which copies each rate to the GPU at every log step (a copy
+    that waits for all the GPU's queued work), it keeps the figures on the host.
+
+    Args:
+        logging_interval: ``step``: on the batches after which Lightning writes its step logs (every
+            ``log_every_n_steps`` optimizer steps); ``epoch``: at the start of each training epoch.
+        log_momentum: Also log each group's momentum (``betas[0]`` for Adam-like optimizers) as
+            ``lr-SGD-momentum``, ``lr-SGD/pg1-momentum``...
+    """
+
+    def __init__(self, logging_interval: str = "step", log_momentum: bool = False) -> None:
+        if logging_interval not in ("step", "epoch"):
+            raise ValueError(f"logging_interval must be 'step' or 'epoch'. Got {logging_interval!r}")
+        self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+
+    def rates(self, trainer: pl.Trainer) -> dict[str, float]:
+        """The current rates (and momenta), by name."""
+        optimizers = trainer.optimizers
+        kinds = [type(opt).__name__ for opt in optimizers]
+        figures: dict[str, float] = {}
+        for index, (opt, kind) in enumerate(zip(optimizers, kinds)):
+            base = f"lr-{kind}" + (f"-{kinds[:index].count(kind) + 1}" if kinds.count(kind) > 1 else "")
+            groups = opt.param_groups
+            for number, group in enumerate(groups, start=1):
+                name = f"{base}/{group.get('name', f'pg{number}')}" if len(groups) > 1 else base
+                figures[name] = float(group["lr"])
+                if self.log_momentum:
+                    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+                    figures[f"{name}-momentum"] = float(momentum)
+        return figures
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        figures = self.rates(trainer)
+        if not figures:
+            return
+        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in figures.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(figures, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.logging_interval == "step" and writes_log_line(trainer):
+            self._log(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.logging_interval == "epoch":
+            self._log(trainer)
 
 
 class Throughput(pl.Callback):

@@ -10,13 +10,13 @@ from typing import Any
 import torch
 from jsonargparse import lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
-from pytorch_lightning.callbacks import LearningRateMonitor, ModelCheckpoint
+from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, PredictionWriter, Throughput
+from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
     StepCheckpoint,
@@ -75,12 +75,12 @@ class ImageNetCLI(LightningCLI):
             }
         )
         parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
-        parser.add_lightning_class_args(LearningRateMonitor, "lr_monitor")
-        parser.set_defaults({"lr_monitor.logging_interval": "step"})
+        parser.add_lightning_class_args(LearningRateLog, "lr_monitor")
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
+        # ConsoleLog before Throughput: an epoch's last console line comes before its summary line.
+        parser.add_lightning_class_args(ConsoleLog, "console")
         parser.add_lightning_class_args(Throughput, "throughput")
         parser.add_lightning_class_args(NonFiniteGuard, "non_finite")
-        parser.add_lightning_class_args(ConsoleLog, "console")
         parser.add_lightning_class_args(TrainingCurves, "curves")
         parser.add_lightning_class_args(Profile, "profile")
         parser.add_class_arguments(AMPFlags, "amp")

@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, writes_log_line
+from lit_imagenet.callbacks import CUDAPrefetch, copy_to_host, read_host_copy, writes_log_line
 from lit_imagenet.models import build_model, classifier_name
 from lit_imagenet.precision import ApexAMP
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
@@ -53,9 +53,13 @@ class TopKAccuracy(MeanMetric):
         self.k = k
 
     def update(self, logits: Tensor, targets: Tensor) -> None:  # type: ignore[override]
-        k = min(self.k, logits.shape[1])
-        hits = (logits.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)
-        super().update(hits.float())
+        super().update(topk_hits(logits, targets, self.k).float())
+
+
+def topk_hits(logits: Tensor, targets: Tensor, k: int) -> Tensor:
+    """Per sample, whether its label is among the ``k`` highest logits (``k`` capped at the number of classes)."""
+    k = min(k, logits.shape[1])
+    return (logits.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)
 
 
 def train_accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
@@ -151,6 +155,7 @@ class ImageClassifier(pl.LightningModule):
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
         self._compiled = False
+        self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
     @override
     def forward(self, images: Tensor) -> Tensor:
@@ -240,19 +245,33 @@ class ImageClassifier(pl.LightningModule):
         images, targets = batch[0], batch[1]
         logits = self(images)
         loss = self.criterion(logits, targets)
+        # The epoch totals cover every batch; they stay on the device until the epoch ends.
+        self.train_loss.update(loss.detach())
+        self.train_metrics.update(logits.detach(), targets)
         if self._trainer is None or self._logs_this_step(batch_idx):
-            # Metric objects are logged so that Lightning reads them only when it writes a log line,
-            # and syncs them across ranks once per epoch. Calling them computes this batch's values.
-            self.train_loss(loss.detach())
-            self.train_metrics(logits.detach(), targets)
-            self.log("train/loss", self.train_loss, on_step=True, on_epoch=True)
-            self.log_dict(self.train_metrics, on_step=True, on_epoch=True)
-        else:
-            # Between log lines only the epoch totals are updated: logging (and computing a batch value)
-            # at every step costs milliseconds of host time, which a fast GPU waits for.
-            self.train_loss.update(loss.detach())
-            self.train_metrics.update(logits.detach(), targets)
+            # Metric objects are logged so that Lightning computes them (and syncs them across ranks)
+            # once per epoch. Logging at every step would cost host time that a fast GPU waits for.
+            self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
+            for name, metric in self.train_metrics.items():
+                self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
+            # This batch's figures go to the host now and are logged in on_train_batch_end: by then the
+            # backward pass and the optimizer step are queued, and the GPU works on them while the host
+            # waits for these values, where logging the GPU tensors would wait for the whole queue.
+            logits, ks = logits.detach(), [metric.k for metric in self.train_metrics.values()]
+            figures = [loss.detach().float(), *(topk_hits(logits, targets, k).float().mean() for k in ks)]
+            self._step_figures = copy_to_host(torch.stack(figures))
         return loss
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._step_figures is None:
+            return
+        figures = read_host_copy(self._step_figures)
+        self._step_figures = None
+        # Host tensors: Lightning turns a Python number into a tensor on the module's device, which waits.
+        names = ["train/loss", *self.train_metrics.keys()]
+        for name, value in zip(names, figures.unbind()):
+            self.log(f"{name}_step", value, on_step=True, on_epoch=False)
 
     def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:
         images, targets = batch[0], batch[1]

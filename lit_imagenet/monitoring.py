@@ -1,8 +1,8 @@
 """Watching a long run: a non-finite loss guard, console lines, logs, curves and profiling windows.
 
-None of these reads a value back from the GPU on the steps between two log steps: what they
-accumulate stays on the device, and they look at it every ``log_every_n_steps`` batches, when
-Lightning synchronises anyway to write its logs.
+None of these waits for the GPU during an epoch: what they accumulate stays on the device, and
+what they read back was copied to the host a while before (``copy_to_host``), so the GPU never
+runs out of queued work because of them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import sync_device, writes_log_line
+from lit_imagenet.callbacks import copy_to_host, read_host_copy, sync_device, writes_log_line
 
 
 class NonFiniteLossError(RuntimeError):
@@ -33,15 +33,17 @@ class NonFiniteGuard(pl.Callback):
 
     With fp16 dynamic loss scaling an occasional overflow is normal (the scaler skips that step), so
     one bad batch is not an error; a long run of them means the weights or the data went bad. The
-    count is kept on the device and read only every ``check_every_n_steps`` batches (by default on
-    the batches after which Lightning writes its logs and synchronises anyway), so the guard adds
-    no host-device synchronisation of its own; the price is that the run stops up to that many
-    batches after the limit was reached. The error names the
-    global step where the bad run began and the newest checkpoint saved before it.
+    count is kept on the device. Every ``check_every_n_steps`` batches (by default on Lightning's
+    log steps) the guard starts copying it to the host, and it reads that copy at the next check,
+    long after the GPU wrote it, so the guard never waits for the GPU during an epoch; at the end of
+    each epoch it reads the count directly. The price is that the run stops up to twice that many
+    batches after the limit was reached. The error names the global step where the bad run began
+    and the newest checkpoint saved before it. Under DDP every rank takes the largest count of all
+    ranks at the same batch, so all of them stop together.
 
     Args:
         max_consecutive: Consecutive non-finite losses that stop the run.
-        check_every_n_steps: Read the count every this many batches; ``None``: on Lightning's log steps
+        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps
             (every ``log_every_n_steps`` optimizer steps).
     """
 
@@ -55,6 +57,7 @@ class NonFiniteGuard(pl.Callback):
         self._consecutive: Tensor | None = None
         self._run_start: Tensor | None = None
         self._tripped_at: Tensor | None = None
+        self._in_flight: tuple[Tensor, torch.cuda.Event | None] | None = None
         self._batches = 0
         self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
@@ -64,6 +67,7 @@ class NonFiniteGuard(pl.Callback):
         self._consecutive = torch.zeros((), dtype=torch.int64, device=device)
         self._run_start = torch.full((), -1, dtype=torch.int64, device=device)
         self._tripped_at = torch.full((), -1, dtype=torch.int64, device=device)
+        self._in_flight = None
         self._batches = 0
         self._saved = {}
 
@@ -96,14 +100,18 @@ class NonFiniteGuard(pl.Callback):
         self._batches += 1
         every = self.check_every_n_steps
         if (self._batches % every == 0) if every else writes_log_line(trainer):
-            self._check(trainer)
+            in_flight, self._in_flight = self._in_flight, copy_to_host(self._reduced(trainer))
+            if in_flight is not None:
+                self._raise_if_tripped(trainer, int(read_host_copy(in_flight)))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._tripped_at is not None:
+            self._in_flight = None  # the count read now includes it
             self._check(trainer)
 
-    def _check(self, trainer: pl.Trainer) -> None:
+    def _reduced(self, trainer: pl.Trainer) -> Tensor:
+        """The global step where a bad run that reached the limit began (-1: none), over all ranks."""
         assert self._tripped_at is not None
         tripped = self._tripped_at
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -111,7 +119,12 @@ class NonFiniteGuard(pl.Callback):
             # next collective. The counts can differ by a step, as each rank sees its own losses.
             tripped = tripped.clone()
             torch.distributed.all_reduce(tripped, op=torch.distributed.ReduceOp.MAX)
-        start = int(tripped.item())
+        return tripped
+
+    def _check(self, trainer: pl.Trainer) -> None:
+        self._raise_if_tripped(trainer, int(self._reduced(trainer).item()))
+
+    def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
         if start < 0:
             return
         self._note_checkpoints(trainer)
@@ -133,8 +146,14 @@ class ConsoleLog(pl.Callback):
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
     time per batch and images per second (over all processes) since the previous line, and the
-    loss, top-1 and top-5 of the current batch. The images per second are also logged as
-    ``train/images_per_sec``. The GPU is synchronised only on those steps.
+    loss, top-1 and top-5 of that batch (``ImageClassifier``'s ``train/*_step`` figures). The images
+    per second are also logged as ``train/images_per_sec``, at that batch's step.
+
+    The GPU is not synchronised for it: the line is written once the module has logged the batch's
+    figures (at the start of the next batch, or at the end of the epoch or of the run). The model
+    reads them back when the GPU has finished that batch's forward pass, so the clock follows the
+    GPU's progress while the rest of the queued work goes on. A module that logs no step figures
+    gets host times, which average out over many lines.
 
     Args:
         enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).
@@ -145,11 +164,13 @@ class ConsoleLog(pl.Callback):
         self._start = 0.0
         self._images = 0
         self._batches = 0
+        self._pending: dict[str, Any] | None = None
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sync_device(pl_module)
         self._start, self._images, self._batches = time.perf_counter(), 0, 0
+        self._pending = None
 
     @override
     def on_train_batch_end(
@@ -157,33 +178,60 @@ class ConsoleLog(pl.Callback):
     ) -> None:
         self._images += int(batch[0].shape[0]) * trainer.world_size
         self._batches += 1
-        if not writes_log_line(trainer):
+        if writes_log_line(trainer):
+            total = trainer.num_training_batches
+            self._pending = {
+                "where": f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"
+                f" step {trainer.global_step}",
+                # the step Lightning writes this batch's figures at
+                "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
+            }
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._write(trainer)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
             return
-        sync_device(pl_module)
         now = time.perf_counter()
         seconds = max(now - self._start, 1e-9)
         rate = self._images / seconds
-        pl_module.log("train/images_per_sec", rate, on_step=True, on_epoch=False, rank_zero_only=True)
-        batches = self._batches
+        batches = max(self._batches, 1)
         self._start, self._images, self._batches = now, 0, 0
+        if not trainer.is_global_zero:
+            return
+        trainer.callback_metrics["train/images_per_sec"] = torch.tensor(rate)
+        for logger in trainer.loggers:
+            logger.log_metrics({"train/images_per_sec": rate}, step=pending["step"])
         if not self.enabled:
             return
         metrics = trainer.callback_metrics
-        total = trainer.num_training_batches
-        shown = [f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"]
-        shown[0] += f" step {trainer.global_step}"
-        shown.append(f"{seconds / batches:.3f} s/step")
-        shown.append(f"{rate:,.0f} images/s")
+        shown = [pending["where"], f"{seconds / batches:.3f} s/step", f"{rate:,.0f} images/s"]
         for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
             if key in metrics:
                 shown.append(f"{name} {float(metrics[key]):.4f}")
         line = " | ".join(shown)
-        if trainer.is_global_zero:
-            bar = trainer.progress_bar_callback
-            if bar is not None and bar.is_enabled and hasattr(bar, "print"):
-                bar.print(line)
-            else:
-                print(line, flush=True)
+        bar = trainer.progress_bar_callback
+        if bar is not None and bar.is_enabled and hasattr(bar, "print"):
+            bar.print(line)
+        else:
+            print(line, flush=True)
 
 
 class RunLogger(CSVLogger):

@@ -30,14 +30,19 @@ def _data(root: Path) -> ImageFolderDataModule:
     return ImageFolderDataModule(str(root), batch_size=8, workers=0, crop_size=32, val_resize=36)
 
 
-@pytest.mark.parametrize(("check_every", "stop_step", "good_step"), [(1, 6, 4), (4, 6, 3)])
+@pytest.mark.parametrize(
+    ("check_every", "bad_from", "stop_step", "good_step"), [(1, 4, 6, 3), (4, 4, 6, 3), (1, 3, 6, 3)]
+)
 def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(
-    shapes_root: Path, tmp_path, check_every: int, stop_step: int, good_step: int
+    shapes_root: Path, tmp_path, check_every: int, bad_from: int, stop_step: int, good_step: int
 ) -> None:
-    # 3 batches per epoch; the loss is NaN from global step 4 (epoch 1) on; step checkpoints at steps 2, 4, 6, ...
-    # Checking every 4 batches (and at epoch ends), last-step.ckpt is rewritten at step 6 with bad weights before
-    # the check: the epoch-end checkpoint of step 3 is named instead.
-    model = _NaNFrom(4, arch="resnet18", num_classes=3, warmup_epochs=0)
+    # 3 batches per epoch; step checkpoints at global steps 2, 4, 6, ... A check copies the count to the host and
+    # reads the copy of the check before, and the epoch end reads the count itself.
+    # NaN from step 4: the limit is reached in the batch of step 5, the last of epoch 1, and is read at its end
+    # (global step 6), after last-step.ckpt was rewritten at step 6 with bad weights: the epoch-end checkpoint of
+    # step 3 is named. NaN from step 3, checked at every batch: the count of the batch of step 4 is read at the
+    # next batch's check (global step 6), before the step checkpoint of that batch is written.
+    model = _NaNFrom(bad_from, arch="resnet18", num_classes=3, warmup_epochs=0)
     guard = NonFiniteGuard(max_consecutive=2, check_every_n_steps=check_every)
     ckpts = [StepCheckpoint(every_n_train_steps=2, dirpath=str(tmp_path)), ModelCheckpoint(dirpath=tmp_path)]
     trainer = pl.Trainer(
@@ -47,7 +52,7 @@ def test_consecutive_non_finite_losses_stop_the_run_naming_a_good_checkpoint(
     with pytest.raises(NonFiniteLossError) as exc:
         trainer.fit(model, _data(shapes_root))
     message = str(exc.value)
-    assert "2 consecutive batches from global step 4" in message
+    assert f"2 consecutive batches from global step {bad_from}" in message
     named = Path(message.split("the last checkpoint before it is ")[1].split(" (step")[0])
     ckpt = torch.load(named, weights_only=True)
     assert ckpt["global_step"] == good_step and f"(step {good_step})" in message
@@ -160,3 +165,34 @@ def test_every_rank_stops_when_one_rank_trips_the_guard(tmp_path: Path) -> None:
     torch.multiprocessing.spawn(_guard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
     for rank in (0, 1):
         assert "consecutive batches from global step 7" in (tmp_path / f"rank{rank}.txt").read_text()
+
+
+@pytest.mark.parametrize("interval", ["step", "epoch"])
+def test_learning_rates_are_logged_from_the_host_under_lightnings_names(
+    shapes_root: Path, tmp_path: Path, interval: str
+) -> None:
+    from lit_imagenet.callbacks import LearningRateLog
+
+    logger = CSVLogger(tmp_path)
+    model = ImageClassifier("resnet18", num_classes=3, warmup_epochs=1, lr=0.2, backbone_lr_scale=0.5)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=2, log_every_n_steps=2, logger=logger, enable_progress_bar=False,
+                         enable_checkpointing=False, limit_val_batches=0,
+                         callbacks=[LearningRateLog(logging_interval=interval, log_momentum=True)])  # fmt: skip
+    trainer.fit(model, _data(shapes_root))  # batch 8 of 24 images: 3 steps per epoch, the first epoch warms up
+    rows = [r for r in __import__("csv").DictReader(open(Path(logger.log_dir) / "metrics.csv")) if r.get("lr-SGD/pg1")]
+    steps = [int(r["step"]) for r in rows]
+    assert steps == ([1, 3, 5] if interval == "step" else [0, 3])
+    lr = 0.2 * 8 / 256
+    for row, step in zip(rows, steps):
+        expected = lr * min(1.0, (step + 2) / 3)  # WarmupMultiStep: (1 + k) / 3 for the k-th step, from 1
+        assert float(row["lr-SGD/pg1"]) == pytest.approx(expected)
+        assert float(row["lr-SGD/pg2"]) == pytest.approx(expected * 0.5)
+        assert float(row["lr-SGD/pg1-momentum"]) == pytest.approx(0.9)
+    assert trainer.callback_metrics["lr-SGD/pg1"].device.type == "cpu"
+
+
+def test_learning_rate_log_rejects_an_unknown_interval() -> None:
+    from lit_imagenet.callbacks import LearningRateLog
+
+    with pytest.raises(ValueError, match="logging_interval must be 'step' or 'epoch'. Got 'batch'"):
+        LearningRateLog(logging_interval="batch")
