@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean gpu-check
 
 ## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough)
 demo: $(VENV)/.installed
@@ -13,6 +13,10 @@ demo: $(VENV)/.installed
 ## make test: install with the test extras, run the test suite
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest
+
+## make gpu-check: on a GPU machine with the package's requirements installed: GPU tests, fits, throughput
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/python -m pip install -q ruff

@@ -21,7 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import copy_to_host, read_host_copy, sync_device, writes_log_line
+from lit_imagenet.callbacks import sync_device, writes_log_line
 
 
 class NonFiniteLossError(RuntimeError):
@@ -54,19 +54,28 @@ class NonFiniteGuard(pl.Callback):
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
         self.max_consecutive = max_consecutive
         self.check_every_n_steps = check_every_n_steps
-        self._consecutive: Tensor | None = None
-        self._run_start: Tensor | None = None
-        self._tripped_at: Tensor | None = None
-        self._in_flight: tuple[Tensor, torch.cuda.Event | None] | None = None
+        # (consecutive non-finite losses, global step where that run began, where a run that reached
+        # the limit began), on the device, updated in place: -1 means none.
+        self._state: Tensor | None = None
+        # Two slots, used in turn, each holding a check's reduced value on the device and on the host.
+        # They live as long as the run: a copy or a collective still queued on the GPU never writes
+        # into memory that the caching allocator has handed to another tensor.
+        self._device_slots: Tensor | None = None
+        self._host_slots: Tensor | None = None
+        self._events: list[torch.cuda.Event | None] = [None, None]
+        self._slot = 0
+        self._in_flight: int | None = None  # the slot of the previous check, not read yet
         self._batches = 0
         self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
-        self._consecutive = torch.zeros((), dtype=torch.int64, device=device)
-        self._run_start = torch.full((), -1, dtype=torch.int64, device=device)
-        self._tripped_at = torch.full((), -1, dtype=torch.int64, device=device)
+        self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=device)
+        self._device_slots = torch.full((2,), -1, dtype=torch.int64, device=device)
+        self._host_slots = torch.full((2,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._events = [None, None]
+        self._slot = 0
         self._in_flight = None
         self._batches = 0
         self._saved = {}
@@ -88,41 +97,60 @@ class NonFiniteGuard(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, Tensor) or self._consecutive is None:
+        if self._state is None:
             return
-        bad = ~torch.isfinite(loss.detach())
+        if not isinstance(loss, Tensor):
+            # Every rank must take part in the same checks, whatever its own batch gave.
+            loss = torch.zeros((), device=self._state.device)
+        bad = ~torch.isfinite(loss.detach().to(self._state.device))
         # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
         step = trainer.global_step - (0 if trainer.fit_loop.epoch_loop._should_accumulate() else 1)
-        self._run_start = torch.where(bad & (self._consecutive == 0), step, self._run_start)
-        self._consecutive = torch.where(bad, self._consecutive + 1, 0)
-        trips = (self._consecutive >= self.max_consecutive) & (self._tripped_at < 0)
-        self._tripped_at = torch.where(trips, self._run_start, self._tripped_at)
+        consecutive, run_start, tripped_at = self._state.unbind()
+        new_start = torch.where(bad & (consecutive == 0), step, run_start)
+        new_count = torch.where(bad, consecutive + 1, 0)
+        new_tripped = torch.where((new_count >= self.max_consecutive) & (tripped_at < 0), new_start, tripped_at)
+        self._state.copy_(torch.stack([new_count, new_start, new_tripped]))
         self._batches += 1
         every = self.check_every_n_steps
         if (self._batches % every == 0) if every else writes_log_line(trainer):
-            in_flight, self._in_flight = self._in_flight, copy_to_host(self._reduced(trainer))
-            if in_flight is not None:
-                self._raise_if_tripped(trainer, int(read_host_copy(in_flight)))
+            previous = self._in_flight
+            self._in_flight = self._start_check(trainer)
+            if previous is not None:
+                self._raise_if_tripped(trainer, self._read(previous))
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._tripped_at is not None:
-            self._in_flight = None  # the count read now includes it
-            self._check(trainer)
+        if self._state is not None:
+            self._in_flight = None  # the value read now includes it
+            self._raise_if_tripped(trainer, self._read(self._start_check(trainer)))
 
-    def _reduced(self, trainer: pl.Trainer) -> Tensor:
-        """The global step where a bad run that reached the limit began (-1: none), over all ranks."""
-        assert self._tripped_at is not None
-        tripped = self._tripped_at
+    def _start_check(self, trainer: pl.Trainer) -> int:
+        """Reduces where a bad run that reached the limit began (-1: none) over all ranks into the next
+        slot, and starts copying it to the host; returns the slot."""
+        assert self._state is not None and self._device_slots is not None and self._host_slots is not None
+        slot, self._slot = self._slot, 1 - self._slot
+        value = self._device_slots[slot : slot + 1]
+        value.copy_(self._state[2:3])
         if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
             # Every rank stops together: a rank raising alone would leave the others waiting in their
             # next collective. The counts can differ by a step, as each rank sees its own losses.
-            tripped = tripped.clone()
-            torch.distributed.all_reduce(tripped, op=torch.distributed.ReduceOp.MAX)
-        return tripped
+            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+        if value.is_cuda:
+            self._host_slots[slot : slot + 1].copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(value.device))
+            self._events[slot] = event
+        else:
+            self._host_slots[slot : slot + 1].copy_(value)
+        return slot
 
-    def _check(self, trainer: pl.Trainer) -> None:
-        self._raise_if_tripped(trainer, int(self._reduced(trainer).item()))
+    def _read(self, slot: int) -> int:
+        """The value of a slot, once the GPU has written it (by then, long ago, but for epoch ends)."""
+        assert self._host_slots is not None
+        event, self._events[slot] = self._events[slot], None
+        if event is not None:
+            event.synchronize()
+        return int(self._host_slots[slot])
 
     def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
         if start < 0:

@@ -106,6 +106,8 @@ class CUDAPrefetcher:
         self.normalize = normalize.to(device)
         self.decode_ahead = decode_ahead
         self.stream = torch.cuda.Stream(device=device)
+        # The constants were copied to the device on the current stream; the side stream reads them.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
         self._pending: deque[Future[tuple[Any, torch.cuda.Event | None]]] = deque()

@@ -147,13 +147,20 @@ def _guard_rank(rank: int, init_file: str, results: str) -> None:
     from types import SimpleNamespace
 
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    guard = NonFiniteGuard(max_consecutive=3)
-    guard._tripped_at = torch.tensor(7 if rank == 0 else -1)  # only rank 0 has reached the limit
+    guard = NonFiniteGuard(max_consecutive=3, check_every_n_steps=1)
+    epoch_loop = SimpleNamespace(_should_accumulate=lambda: False)
+    trainer = SimpleNamespace(world_size=2, checkpoint_callbacks=[], global_step=0,
+                              fit_loop=SimpleNamespace(epoch_loop=epoch_loop))  # fmt: skip
+    guard.on_train_start(trainer, SimpleNamespace(device=torch.device("cpu")))
     try:
-        guard._check(SimpleNamespace(world_size=2, checkpoint_callbacks=[]))
+        for step in range(1, 11):  # only rank 0 sees non-finite losses, at steps 7, 8 and 9 (the optimizer step's)
+            trainer.global_step = step
+            loss = torch.tensor(float("nan") if rank == 0 and 8 <= step <= 10 else 1.0)
+            guard.on_train_batch_end(trainer, None, {"loss": loss}, None, step - 1)
+        guard.on_train_epoch_end(trainer, None)
         outcome = "went on"
     except NonFiniteLossError as err:
-        outcome = str(err)
+        outcome = f"{trainer.global_step}: {err}"
     finally:
         torch.distributed.destroy_process_group()
     Path(results, f"rank{rank}.txt").write_text(outcome)
@@ -163,8 +170,11 @@ def _guard_rank(rank: int, init_file: str, results: str) -> None:
 def test_every_rank_stops_when_one_rank_trips_the_guard(tmp_path: Path) -> None:
     """A rank stopping alone would leave the others waiting in their next collective."""
     torch.multiprocessing.spawn(_guard_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    for rank in (0, 1):
-        assert "consecutive batches from global step 7" in (tmp_path / f"rank{rank}.txt").read_text()
+    outcomes = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    for outcome in outcomes:
+        assert "consecutive batches from global step 7" in outcome
+    # at the same batch on both: the check after the one that saw the limit reached
+    assert outcomes[0].split(":")[0] == outcomes[1].split(":")[0] == "10"
 
 
 @pytest.mark.parametrize("interval", ["step", "epoch"])

@@ -1,0 +1,146 @@
+"""The check of a GPU machine: the GPU tests, a short real ``fit`` per decoder on 1 and all GPUs, throughput.
+
+``make gpu-check`` runs it. Two parts, which can run apart (``--part tests`` and ``--part bench``, e.g. where
+one command may run for a limited time); each part's result is kept in the record with the commit it ran at:
+
+* ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
+  the real ``train.py`` under DDP), one row per test.
+* ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs: the model alone, ``fit`` on
+  synthetic batches, and the recipe's ``fit`` with each decoder (``pil``, ``torchvision``, ``nvjpeg``, and
+  ``dali`` when NVIDIA DALI imports), each on 1 GPU and on every visible GPU. A row passes when its run
+  finished its epochs.
+
+It prints one summary (pass/fail and images/s per row) and writes ``benchmarks/results/gpu-check.json``
+(the commit, the machine, the versions and every row). The exit status is 1 when a row failed.
+
+    python benchmarks/gpu_check.py                 # both parts
+    python benchmarks/gpu_check.py --part tests
+    python benchmarks/gpu_check.py --part bench --decoders pil nvjpeg
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RECORD = REPO / "benchmarks" / "results" / "gpu-check.json"
+
+
+def _commit() -> str:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def _machine() -> dict[str, Any]:
+    import pytorch_lightning
+    import torchvision
+
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "torchvision": torchvision.__version__, "pytorch_lightning": pytorch_lightning.__version__,
+            "python": sys.version.split()[0]}  # fmt: skip
+
+
+def run_tests(out: Path) -> list[dict[str, Any]]:
+    """``pytest -m gpu``; one row per test, from its JUnit report."""
+    report = out / "gpu-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    subprocess.run(cmd, cwd=REPO)
+    rows: list[dict[str, Any]] = []
+    if not report.is_file():
+        return [{"row": "pytest -m gpu", "ok": False, "detail": "no test report was written"}]
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        failed = case.find("failure") is not None or case.find("error") is not None
+        skipped = case.find("skipped")
+        row: dict[str, Any] = {"row": name, "ok": not failed, "seconds": round(float(case.get("time", 0)), 1)}
+        if skipped is not None:
+            row["detail"] = f"skipped: {skipped.get('message', '')}"
+        rows.append(row)
+    if not rows:
+        rows.append({"row": "pytest -m gpu", "ok": False, "detail": "no test ran"})
+    return rows
+
+
+def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str, Any]]:
+    """The ResNet-50 throughput rows on 1 and on all GPUs."""
+    devices = sorted({1, max(1, torch.cuda.device_count())})
+    cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--out", str(out / "throughput"),
+           "--archs", "resnet50", "--skip", "loop", "--devices", *map(str, devices), "--decoders", *decoders,
+           "--row-timeout", "240", *extra]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO)
+    path = out / "throughput" / "throughput.json"
+    if not path.is_file():
+        partial = out / "throughput" / "rows.partial.json"
+        found = json.loads(partial.read_text()) if partial.is_file() else []
+        rows = [_bench_row(r) for r in found]
+        return rows + [{"row": "throughput.py", "ok": False, "detail": f"exit status {done.returncode}"}]
+    return [_bench_row(r) for r in json.loads(path.read_text())["rows"]]
+
+
+def _bench_row(r: dict[str, Any]) -> dict[str, Any]:
+    rate = r.get("images_per_sec")
+    return {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None and not r.get("timed_out"),
+            "images_per_sec": rate, "ratio_to_model_alone": r.get("ratio"),
+            "peak_memory_gib": r.get("peak_memory_gib")}  # fmt: skip
+
+
+def summary(record: dict[str, Any]) -> str:
+    lines = [f"GPU check of {record['commit']} on {', '.join(record['machine']['gpus']) or 'no GPU'}"]
+    for part, result in record["parts"].items():
+        stale = "" if result["commit"] == record["commit"] else f" (at {result['commit']}, not this commit)"
+        lines.append(f"\n{part}: {result['passed']} passed, {result['failed']} failed{stale}")
+        for row in result["rows"]:
+            rate = f"{row['images_per_sec']:>9,.0f} images/s" if row.get("images_per_sec") else ""
+            detail = f"  {row['detail']}" if row.get("detail") else ""
+            lines.append(f"  {'pass' if row['ok'] else 'FAIL'}  {row['row']:<64} {rate}{detail}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["tests", "bench", "all"], default="all")
+    parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="logs and reports")
+    parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
+    parser.add_argument("--decoders", nargs="+", default=None,
+                        help="fit rows (default: pil torchvision nvjpeg, and dali when it imports)")  # fmt: skip
+    parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device is visible; the GPU check runs on a GPU machine.", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    decoders = args.decoders or ["pil", "torchvision", "nvjpeg"] + (
+        ["dali"] if importlib.util.find_spec("nvidia.dali") else []
+    )
+    record = json.loads(args.record.read_text()) if args.record.is_file() else {"parts": {}}
+    record.update(commit=_commit(), machine=_machine())
+    parts = ["tests", "bench"] if args.part == "all" else [args.part]
+    for part in parts:
+        rows = run_tests(args.out) if part == "tests" else run_bench(args.out, decoders, args.extra)
+        failed = sum(not r["ok"] for r in rows)
+        now = datetime.datetime.now().isoformat(timespec="seconds")
+        record["parts"][part] = {"commit": record["commit"], "date": now, "passed": len(rows) - failed,
+                                 "failed": failed, "rows": rows}  # fmt: skip
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(json.dumps(record, indent=2) + "\n")
+    print("\n" + summary(record))
+    print(f"\nRecord: {args.record}")
+    return int(any(record["parts"][p]["failed"] for p in parts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
