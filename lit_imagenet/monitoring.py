@@ -21,7 +21,14 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import copy_to_host, read_host_copy, sync_device, writes_log_line
+from lit_imagenet.callbacks import copy_to_host, read_host_copy, sync_device
+from lit_imagenet.compat import (
+    accumulates_gradients,
+    batches_that_stepped,
+    last_checkpoint_saved,
+    logger_prefix,
+    writes_log_line,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -73,8 +80,8 @@ class NonFiniteGuard(pl.Callback):
 
     def _note_checkpoints(self, trainer: pl.Trainer) -> None:
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb._last_checkpoint_saved:
-                path, step = cb._last_checkpoint_saved, int(cb._last_global_step_saved)
+            if isinstance(cb, ModelCheckpoint) and (saved := last_checkpoint_saved(cb)):
+                path, step = saved
                 self._saved[path] = max(step, self._saved.get(path, step))
 
     @override
@@ -92,7 +99,7 @@ class NonFiniteGuard(pl.Callback):
             return
         bad = ~torch.isfinite(loss.detach())
         # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
-        step = trainer.global_step - (0 if trainer.fit_loop.epoch_loop._should_accumulate() else 1)
+        step = trainer.global_step - (0 if accumulates_gradients(trainer) else 1)
         self._run_start = torch.where(bad & (self._consecutive == 0), step, self._run_start)
         self._consecutive = torch.where(bad, self._consecutive + 1, 0)
         trips = (self._consecutive >= self.max_consecutive) & (self._tripped_at < 0)
@@ -184,7 +191,7 @@ class ConsoleLog(pl.Callback):
                 "where": f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"
                 f" step {trainer.global_step}",
                 # the step Lightning writes this batch's figures at
-                "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "step": batches_that_stepped(trainer),
             }
 
     @override
@@ -267,7 +274,7 @@ class RunLogger(CSVLogger):
         """The TensorBoard logger writing into this logger's version folder (``None`` when off)."""
         if self.tensorboard and self._tb is None:
             self._tb = TensorBoardLogger(
-                self.save_dir, name=self.name, version=self.version, prefix=self._prefix, default_hp_metric=False
+                self.save_dir, name=self.name, version=self.version, prefix=logger_prefix(self), default_hp_metric=False
             )
         return self._tb if self.tensorboard else None
 
