@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -36,8 +37,25 @@ def _trainer_defaults() -> dict[str, Any]:
     return {
         "default_root_dir": "runs",
         "max_epochs": 90,
-        "logger": lazy_instance(RunLogger, save_dir="runs"),
+        "logger": lazy_instance(RunLogger),
     }
+
+
+def _log_into_root_dir(trainer_config: Namespace | None) -> None:
+    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir``.
+
+    Lightning puts checkpoints in the logger's folder, so they follow too. Lightning's own default
+    logger does this by itself, but a logger given as a default (or in a config) is built before the
+    trainer and would write to its own default folder.
+    """
+    if trainer_config is None:
+        return
+    loggers = trainer_config.get("logger")
+    run_logger = f"{RunLogger.__module__}.{RunLogger.__qualname__}"
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if isinstance(logger, Namespace) and logger.get("class_path") == run_logger:
+            if logger.init_args.get("save_dir") is None:
+                logger.init_args.save_dir = trainer_config.get("default_root_dir") or os.getcwd()
 
 
 class ImageNetCLI(LightningCLI):
@@ -127,6 +145,7 @@ class ImageNetCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self._section(self.config)
+        _log_into_root_dir(config.get("trainer"))
         self._model_config = dict(config.get("model") or {})
         if (
             config.get("data") is not None

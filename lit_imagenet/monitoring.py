@@ -248,7 +248,7 @@ class RunLogger(CSVLogger):
     ``save_dir/name/version_N``: ``tensorboard --logdir runs`` and a spreadsheet read the same run.
 
     Args:
-        save_dir: Folder of the logs.
+        save_dir: Folder of the logs. ``None``: ``--trainer.default_root_dir`` on the command line, else ``runs``.
         name: Sub-folder of the run's versions.
         version: Version number or folder name; ``None``: the next free ``version_N``.
         prefix: Prefix of every metric name.
@@ -258,14 +258,14 @@ class RunLogger(CSVLogger):
 
     def __init__(
         self,
-        save_dir: str = "runs",
+        save_dir: str | None = None,
         name: str = "lightning_logs",
         version: int | str | None = None,
         prefix: str = "",
         flush_logs_every_n_steps: int = 100,
         tensorboard: bool = True,
     ) -> None:
-        super().__init__(save_dir, name, version, prefix, flush_logs_every_n_steps)
+        super().__init__("runs" if save_dir is None else save_dir, name, version, prefix, flush_logs_every_n_steps)
         self.tensorboard = tensorboard
         self._tb: TensorBoardLogger | None = None
 
