@@ -260,4 +260,9 @@ def test_a_different_epoch_than_the_one_started_early_is_not_used(shapes_root: P
     jumped = list(loader)
     fresh = dm.train_dataloader()
     fresh.sampler.set_epoch(5)
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(jumped, list(fresh)))
+    expected = list(fresh)
+    assert len(jumped) == len(expected) == 3  # 24 images in batches of 8
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(jumped, expected))
+    started_early = dm.train_dataloader()
+    started_early.sampler.set_epoch(1)  # the epoch the workers had started on
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(jumped, list(started_early)))
