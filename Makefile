@@ -12,7 +12,7 @@ demo: $(VENV)/.installed
 
 ## make test: install with the test extras, run the test suite
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 lint: $(VENV)/.installed-test
 	$(BIN)/python -m pip install -q ruff
