@@ -12,7 +12,7 @@ demo: $(VENV)/.installed
 
 ## make test: install with the test extras, run the test suite
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 ## make gpu-check: on a GPU machine with the package's requirements installed: GPU tests, fits, throughput
 gpu-check:

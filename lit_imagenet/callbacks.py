@@ -16,6 +16,8 @@ from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lit_imagenet.compat import batches_that_stepped, writes_log_line
+
 
 class CUDAPrefetch(pl.Callback):
     """Turns on the side-stream prefetcher of ``lit_imagenet.prefetch`` when the run is on a CUDA device.
@@ -46,12 +48,6 @@ class CUDAPrefetch(pl.Callback):
         datamodule = trainer.datamodule
         if datamodule is not None and hasattr(datamodule, "prefetch_device"):
             datamodule.prefetch_device = None
-
-
-def writes_log_line(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
-    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
-    return bool(getattr(trainer._logger_connector, "should_update_logs", True))
 
 
 def sync_device(pl_module: pl.LightningModule) -> None:
@@ -132,7 +128,7 @@ class LearningRateLog(pl.Callback):
             return
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in figures.items()})
         for logger in trainer.loggers:
-            logger.log_metrics(figures, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+            logger.log_metrics(figures, step=batches_that_stepped(trainer))
 
     @override
     def on_train_batch_start(

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from lightning_fabric.utilities.types import _PATH
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
+
+from lit_imagenet.compat import last_checkpoint_saved, save_last_checkpoint
 
 
 class CheckpointWriteError(OSError):
@@ -57,7 +58,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg"
@@ -137,8 +140,9 @@ class StepCheckpoint(ModelCheckpoint):
             return
         if trainer.sanity_checking or trainer.global_step == 0:
             return
-        if self._last_global_step_saved != trainer.global_step:  # not saved at this very step already
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        saved = last_checkpoint_saved(self)
+        if saved is None or saved[1] != trainer.global_step:  # not saved at this very step already
+            save_last_checkpoint(self, trainer)
         rank_zero_info(f"SIGTERM: saved {self.last_model_path} at step {trainer.global_step}.")
 
     @override
@@ -148,7 +152,7 @@ class StepCheckpoint(ModelCheckpoint):
         pass
 
 
-def find_last_checkpoint(root: _PATH) -> str | None:
+def find_last_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest ``last*.ckpt`` under ``root`` (every logger version of a run), or ``None``."""
     root = Path(root)
     if not root.is_dir():

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from jsonargparse import lazy_instance
+from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
@@ -23,6 +24,7 @@ from lit_imagenet.checkpointing import (
     find_last_checkpoint,
     use_atomic_checkpoint_io,
 )
+from lit_imagenet.compat import untested_version_warning
 from lit_imagenet.data import ImageFolderDataModule
 from lit_imagenet.ddp import DefaultStreamDDPStrategy  # noqa: F401  (registers ddp_default_stream)
 from lit_imagenet.errors import ConfigError, DataError, UserError
@@ -35,8 +37,25 @@ def _trainer_defaults() -> dict[str, Any]:
     return {
         "default_root_dir": "runs",
         "max_epochs": 90,
-        "logger": lazy_instance(RunLogger, save_dir="runs"),
+        "logger": lazy_instance(RunLogger),
     }
+
+
+def _log_into_root_dir(trainer_config: Namespace | None) -> None:
+    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir``.
+
+    Lightning puts checkpoints in the logger's folder, so they follow too. Lightning's own default
+    logger does this by itself, but a logger given as a default (or in a config) is built before the
+    trainer and would write to its own default folder.
+    """
+    if trainer_config is None:
+        return
+    loggers = trainer_config.get("logger")
+    run_logger = f"{RunLogger.__module__}.{RunLogger.__qualname__}"
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if isinstance(logger, Namespace) and logger.get("class_path") == run_logger:
+            if logger.init_args.get("save_dir") is None:
+                logger.init_args.save_dir = trainer_config.get("default_root_dir") or os.getcwd()
 
 
 class ImageNetCLI(LightningCLI):
@@ -86,10 +105,15 @@ class ImageNetCLI(LightningCLI):
         parser.add_class_arguments(AMPFlags, "amp")
         parser.add_lightning_class_args(PredictionWriter, "predict_writer")
 
+    def _section(self, config: Namespace) -> Namespace:
+        """The part of ``config`` for the subcommand that runs (all of it when only building the objects)."""
+        return config[self.subcommand] if self.subcommand else config
+
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        trainer_config = dict(self._get(self.config_init, "trainer", default={}))
-        amp = self._get(self.config_init, "amp")
+        config = self._section(self.config_init)
+        trainer_config = dict(config.get("trainer") or {})
+        amp = config.get("amp")
         if amp is not None and amp.opt_level is not None:
             kwargs.update(_amp_trainer_kwargs(amp, {**trainer_config, **kwargs}))
         _check_bf16({**trainer_config, **kwargs})
@@ -97,15 +121,13 @@ class ImageNetCLI(LightningCLI):
         use_atomic_checkpoint_io(trainer)
         return trainer
 
-    @override
-    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
-        kwargs = super()._prepare_subcommand_kwargs(subcommand)
-        if subcommand == "predict" and kwargs.get("return_predictions") is None:
+    def before_predict(self) -> None:
+        config = self.config_init[self.subcommand]
+        if config.get("return_predictions") is None:
             # The PredictionWriter writes every batch's top classes as it goes; Lightning would also
             # keep each batch's full probabilities in host memory until the end (4 GB for a million
             # images of 1,000 classes). --return_predictions true brings that back.
-            kwargs["return_predictions"] = False
-        return kwargs
+            config["return_predictions"] = False
 
     def before_fit(self) -> None:
         # Each run logs into a new version folder, where Lightning's own "last" would find nothing:
@@ -122,7 +144,8 @@ class ImageNetCLI(LightningCLI):
 
     @override
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = self._section(self.config)
+        _log_into_root_dir(config.get("trainer"))
         self._model_config = dict(config.get("model") or {})
         if (
             config.get("data") is not None
@@ -234,6 +257,9 @@ def main(
         datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
             and ``num_classes``, and a ``channels_last`` argument.
     """
+    warning = untested_version_warning()
+    if warning is not None:
+        rank_zero_only(print)(warning, file=sys.stderr, flush=True)
     try:
         cli = ImageNetCLI(
             ImageClassifier,

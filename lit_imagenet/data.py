@@ -2,9 +2,10 @@
 
 ``root`` holds ``train/`` and ``val/`` (and optionally ``test/``), each with one folder of images
 per class. The folders are scanned when the data module is built, so a missing split, an empty
-class folder, a file that is not an image, or train and val splits with different classes stop
-the run before any training starts. An image that cannot be decoded raises ``DataError`` naming
-the file, whether ``verify_images`` finds it up front or a loader worker finds it on first read.
+class folder, an empty file or one that is not an image, or train and val splits with different
+classes stop the run before any training starts. An image that cannot be decoded raises
+``DataError`` naming the file, whether ``verify_images`` finds it up front or a loader worker finds
+it on first read.
 
 Batches are collated as uint8 ``(N, 3, H, W)`` tensors in the requested memory format, as NVIDIA
 apex's ImageNet example did (its ``fast_collate``): conversion to float and normalisation happen on
@@ -31,7 +32,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from torchvision import transforms
 from torchvision.transforms import v2 as transforms_v2
 
-from lit_imagenet.errors import DataError
+from lit_imagenet.errors import DataError, undecodable_image
 from lit_imagenet.gpu_decode import (
     EncodedBatch,
     EncodedImage,
@@ -54,7 +55,7 @@ def _is_hidden(name: str) -> bool:
 
 
 def _image_files(folder: Path) -> list[Path]:
-    """Every image under ``folder``, sorted; any other file is an error (hidden files are not data)."""
+    """Every image under ``folder``, sorted; an empty file or a non-image is an error (hidden files are not data)."""
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
@@ -67,6 +68,12 @@ def _image_files(folder: Path) -> list[Path]:
                     f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
                     "move it out of the data folder."
                 )
+            try:
+                size = path.stat().st_size
+            except OSError as err:  # a broken link
+                raise undecodable_image(path, f"{type(err).__name__}: {err.strerror}") from None
+            if size == 0:
+                raise undecodable_image(path, "an empty file: 0 bytes")
             found.append(path)
     return found
 
@@ -75,8 +82,8 @@ def scan_split(split_dir: str | Path) -> tuple[list[str], list[tuple[str, int]]]
     """The class names of an ImageFolder split and its ``(path, class index)`` samples.
 
     Raises:
-        DataError: The folder is missing, has no class folders, or a class folder holds no image
-            or a file that is not an image.
+        DataError: The folder is missing, has no class folders, or a class folder holds no image,
+            a file that is not an image, or an empty file.
     """
     split_dir = Path(split_dir)
     if not split_dir.is_dir():
@@ -123,8 +130,7 @@ def load_rgb(path: str) -> Image.Image:
                 img = img.convert("RGBA")
             return img.convert("RGB")
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
-        reason = f"{type(err).__name__}: {err}"
-        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
 
 
 _TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")

@@ -17,6 +17,8 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lit_imagenet.compat import ddp_kwargs, overrides_private
+
 
 class DefaultStreamDDPStrategy(DDPStrategy):
     """``DDPStrategy`` that wraps the model in ``DistributedDataParallel`` on the current stream."""
@@ -24,9 +26,10 @@ class DefaultStreamDDPStrategy(DDPStrategy):
     strategy_name = "ddp_default_stream"
 
     @override
+    @overrides_private(DDPStrategy)
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(module=model, device_ids=device_ids, **self._ddp_kwargs)
+        return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs(self))
 
     @classmethod
     @override

@@ -1,5 +1,9 @@
 """Errors that are the user's to fix: the command line prints their one sentence, without a traceback."""
 
+from __future__ import annotations
+
+import os
+
 
 class UserError(ValueError):
     """A problem with the user's input; the message names the file or value and says what to do."""
@@ -11,3 +15,8 @@ class DataError(UserError):
 
 class ConfigError(UserError):
     """A combination of settings that cannot run, found before training starts."""
+
+
+def undecodable_image(path: str | os.PathLike[str], reason: str) -> DataError:
+    """The error for an image file that cannot be used, whoever finds it: the folder scan, a loader or a decoder."""
+    return DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.")

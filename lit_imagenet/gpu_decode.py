@@ -29,7 +29,7 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms import RandomResizedCrop
 
-from lit_imagenet.errors import DataError
+from lit_imagenet.errors import DataError, undecodable_image
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -68,9 +68,7 @@ def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
         with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
             width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
-        raise DataError(
-            f"Cannot decode image {path} ({type(err).__name__}: {err}); replace or remove the file."
-        ) from None
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
     return height, width
 
 
@@ -259,7 +257,7 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
         img = decode_image(data, mode=ImageReadMode.RGB)
     except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
-        raise DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.") from None
+        raise undecodable_image(path, reason) from None
     if img.dtype != torch.uint8:  # 16-bit PNG
         img = (img.to(torch.int32) >> 8).to(torch.uint8)
     return img

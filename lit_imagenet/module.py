@@ -14,7 +14,8 @@ from torchmetrics import MeanMetric, Metric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, copy_to_host, read_host_copy, writes_log_line
+from lit_imagenet.callbacks import CUDAPrefetch, copy_to_host, read_host_copy
+from lit_imagenet.compat import attached_trainer, metric_defaults, writes_log_line
 from lit_imagenet.models import build_model, classifier_name
 from lit_imagenet.precision import ApexAMP
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
@@ -212,7 +213,7 @@ class ImageClassifier(pl.LightningModule):
     @property
     def backbone_frozen(self) -> bool:
         """Whether the current epoch is one of the first ``freeze_backbone_epochs``."""
-        return self._trainer is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+        return attached_trainer(self) is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
 
     @override
     def on_train_epoch_start(self) -> None:
@@ -248,7 +249,7 @@ class ImageClassifier(pl.LightningModule):
         # The epoch totals cover every batch; they stay on the device until the epoch ends.
         self.train_loss.update(loss.detach())
         self.train_metrics.update(logits.detach(), targets)
-        if self._trainer is None or self._logs_this_step(batch_idx):
+        if attached_trainer(self) is None or self._logs_this_step(batch_idx):
             # Metric objects are logged so that Lightning computes them (and syncs them across ranks)
             # once per epoch. Logging at every step would cost host time that a fast GPU waits for.
             self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
@@ -351,7 +352,7 @@ class ImageClassifier(pl.LightningModule):
         fused = self.hparams.get("fused_optimizer")
         if fused is None:
             on_cuda = next(self.model.parameters()).device.type == "cuda"
-            apex = self._trainer is not None and isinstance(self.trainer.precision_plugin, ApexAMP)
+            apex = attached_trainer(self) is not None and isinstance(self.trainer.precision_plugin, ApexAMP)
             fused = on_cuda and not apex
         return {"fused": True} if fused else {}
 
@@ -375,12 +376,12 @@ class ImageClassifier(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["arch"] = self.hparams.arch
         checkpoint["class_names"] = self.hparams.class_names
-        if self._trainer is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
             # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.
             state = checkpoint.get("state_dict", {})
             for prefix, metric in self.named_modules():
                 if prefix.startswith(("train_loss", "train_metrics.")) and isinstance(metric, Metric):
-                    for name, default in metric._defaults.items():
+                    for name, default in metric_defaults(metric).items():
                         if f"{prefix}.{name}" in state and isinstance(default, Tensor):
                             state[f"{prefix}.{name}"] = default.detach().clone()

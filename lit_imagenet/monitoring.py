@@ -21,7 +21,14 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import sync_device, writes_log_line
+from lit_imagenet.callbacks import sync_device
+from lit_imagenet.compat import (
+    accumulates_gradients,
+    batches_that_stepped,
+    last_checkpoint_saved,
+    logger_prefix,
+    writes_log_line,
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,8 +89,8 @@ class NonFiniteGuard(pl.Callback):
 
     def _note_checkpoints(self, trainer: pl.Trainer) -> None:
         for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb._last_checkpoint_saved:
-                path, step = cb._last_checkpoint_saved, int(cb._last_global_step_saved)
+            if isinstance(cb, ModelCheckpoint) and (saved := last_checkpoint_saved(cb)):
+                path, step = saved
                 self._saved[path] = max(step, self._saved.get(path, step))
 
     @override
@@ -104,7 +111,7 @@ class NonFiniteGuard(pl.Callback):
             loss = torch.zeros((), device=self._state.device)
         bad = ~torch.isfinite(loss.detach().to(self._state.device))
         # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
-        step = trainer.global_step - (0 if trainer.fit_loop.epoch_loop._should_accumulate() else 1)
+        step = trainer.global_step - (0 if accumulates_gradients(trainer) else 1)
         consecutive, run_start, tripped_at = self._state.unbind()
         new_start = torch.where(bad & (consecutive == 0), step, run_start)
         new_count = torch.where(bad, consecutive + 1, 0)
@@ -212,7 +219,7 @@ class ConsoleLog(pl.Callback):
                 "where": f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"
                 f" step {trainer.global_step}",
                 # the step Lightning writes this batch's figures at
-                "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "step": batches_that_stepped(trainer),
             }
 
     @override
@@ -269,7 +276,7 @@ class RunLogger(CSVLogger):
     ``save_dir/name/version_N``: ``tensorboard --logdir runs`` and a spreadsheet read the same run.
 
     Args:
-        save_dir: Folder of the logs.
+        save_dir: Folder of the logs. ``None``: ``--trainer.default_root_dir`` on the command line, else ``runs``.
         name: Sub-folder of the run's versions.
         version: Version number or folder name; ``None``: the next free ``version_N``.
         prefix: Prefix of every metric name.
@@ -279,14 +286,14 @@ class RunLogger(CSVLogger):
 
     def __init__(
         self,
-        save_dir: str = "runs",
+        save_dir: str | None = None,
         name: str = "lightning_logs",
         version: int | str | None = None,
         prefix: str = "",
         flush_logs_every_n_steps: int = 100,
         tensorboard: bool = True,
     ) -> None:
-        super().__init__(save_dir, name, version, prefix, flush_logs_every_n_steps)
+        super().__init__("runs" if save_dir is None else save_dir, name, version, prefix, flush_logs_every_n_steps)
         self.tensorboard = tensorboard
         self._tb: TensorBoardLogger | None = None
 
@@ -295,7 +302,7 @@ class RunLogger(CSVLogger):
         """The TensorBoard logger writing into this logger's version folder (``None`` when off)."""
         if self.tensorboard and self._tb is None:
             self._tb = TensorBoardLogger(
-                self.save_dir, name=self.name, version=self.version, prefix=self._prefix, default_hp_metric=False
+                self.save_dir, name=self.name, version=self.version, prefix=logger_prefix(self), default_hp_metric=False
             )
         return self._tb if self.tensorboard else None
 

@@ -35,6 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lit_imagenet.compat import attached_trainer, layer_sync
+
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NATIVE_EQUIVALENT = {"O0": "32-true", "O1": "16-mixed", "O2": "16-mixed", "O3": "16-true"}
@@ -107,7 +109,7 @@ class ApexAMP(Precision):
             raise RuntimeError(
                 "apex AMP must initialise the model before DDP wraps it; use --trainer.strategy ddp_apex."
             )
-        trainer = getattr(model, "_trainer", None)
+        trainer = attached_trainer(model)
         if trainer is not None and trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 "Gradient accumulation is not supported with apex AMP (it would unscale every micro-batch); "
@@ -186,8 +188,9 @@ class ApexDDPStrategy(DDPStrategy):
             return
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        if self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+        sync = layer_sync(self)
+        if sync:
+            self.model = sync.apply(self.model)
         self.model_to_device()
         self.setup_optimizers(trainer)
         model, optimizers = self.precision_plugin.initialize(self.model, self.optimizers)

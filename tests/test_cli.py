@@ -91,6 +91,31 @@ def test_fit_prints_where_logs_and_checkpoints_went(shapes_root: Path, tmp_path:
     assert ckpt["class_names"] == ["circle", "square", "triangle"]
 
 
+def test_default_root_dir_holds_the_logs_and_checkpoints(
+    shapes_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    cwd, root = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    args = ["--config", str(REPO / "configs/demo.yaml"), "--data.root", str(shapes_root), "--data.workers", "0",
+            "--data.batch_size", "8", "--data.crop_size", "32", "--data.val_resize", "36",
+            "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    assert main(args, run=False).trainer.logger.save_dir == "runs"  # the default when none is given
+    main(["fit", *args, "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "1"])
+    version = root / "lightning_logs" / "version_0"
+    assert (version / "metrics.csv").is_file() and (version / "config.yaml").is_file()
+    assert (version / "checkpoints" / "last.ckpt").is_file()
+    assert list(cwd.iterdir()) == []  # no runs/ in the working directory
+    capsys.readouterr()
+    cli = main(
+        ["fit", *args, "--trainer.default_root_dir", str(root), "--trainer.max_epochs", "2", "--ckpt_path", "last"]
+    )
+    assert f"Resuming from {version / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().out
+    assert cli.trainer.global_step == 6  # 24 images in batches of 8: the second epoch's 3 steps after the first's
+    assert (root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt").is_file()
+    assert list(cwd.iterdir()) == []
+
+
 def test_missing_root_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(fit_args(tmp_path / "nowhere", tmp_path, "--trainer.max_epochs", "1", workers=1))

@@ -141,6 +141,54 @@ def test_verify_images_finds_a_corrupt_file_up_front(tmp_path: Path) -> None:
         ImageFolderDataModule(str(root), workers=0, verify_images=True)
 
 
+@pytest.mark.parametrize("split", ["train", "val", "predict"])
+def test_an_empty_file_is_refused_by_the_scan_with_the_decode_error(tmp_path: Path, split: str) -> None:
+    root = tmp_path / "data"
+    _make_split(root, "train", {"a": 2, "b": 2})
+    _make_split(root, "val", {"a": 1, "b": 1})
+    _make_split(root, "predict", {"a": 1})
+    empty = root / split / "a" / "empty.jpg"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError) as scanned:  # without verify_images, before any image is read
+        if split == "predict":
+            ImageFolderDataModule(predict_root=str(root / "predict"), workers=0)
+        else:
+            ImageFolderDataModule(str(root), workers=0)
+    with pytest.raises(DataError) as read:
+        load_rgb(str(empty))
+    for err in (scanned, read):  # the same sentence as for any undecodable image
+        assert str(err.value).startswith(f"Cannot decode image {empty} (")
+        assert str(err.value).endswith("); replace or remove the file.")
+    assert "0 bytes" in str(scanned.value)
+
+
+def test_a_link_to_a_missing_file_is_refused_by_the_scan(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    _make_split(root, "train", {"a": 2, "b": 2})
+    _make_split(root, "val", {"a": 1, "b": 1})
+    gone = root / "train" / "a" / "gone.jpg"
+    gone.symlink_to(tmp_path / "nowhere.jpg")
+    with pytest.raises(DataError, match=f"^Cannot decode image {gone} \\(FileNotFoundError: "):
+        ImageFolderDataModule(str(root), workers=0)
+
+
+def test_an_empty_file_stops_the_command_line_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from lit_imagenet.cli import main
+
+    root = tmp_path / "data"
+    _make_split(root, "train", {"a": 2, "b": 2})
+    _make_split(root, "val", {"a": 1, "b": 1})
+    (root / "train" / "b" / "empty.png").write_bytes(b"")
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--data.root", str(root), "--trainer.default_root_dir", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: Cannot decode image {root / 'train' / 'b' / 'empty.png'} (an empty file: 0 bytes); "
+        "replace or remove the file."
+    )
+
+
 @pytest.mark.parametrize("n, world", [(15, 2), (13, 4), (3, 4), (8, 2)])
 def test_unpadded_sampler_sees_every_sample_once(n: int, world: int) -> None:
     dataset = list(range(n))
@@ -212,4 +260,9 @@ def test_a_different_epoch_than_the_one_started_early_is_not_used(shapes_root: P
     jumped = list(loader)
     fresh = dm.train_dataloader()
     fresh.sampler.set_epoch(5)
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(jumped, list(fresh)))
+    expected = list(fresh)
+    assert len(jumped) == len(expected) == 3  # 24 images in batches of 8
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(jumped, expected))
+    started_early = dm.train_dataloader()
+    started_early.sampler.set_epoch(1)  # the epoch the workers had started on
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(jumped, list(started_early)))

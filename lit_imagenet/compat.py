@@ -1,0 +1,137 @@
+"""Every private attribute of Lightning (and torchmetrics) that the package reads, each behind one function.
+
+Some things the package needs have no public API: whether Lightning writes its step logs after
+the current batch, the step it writes them at, whether the batch only accumulates gradients, the
+last file a ``ModelCheckpoint`` wrote. They are read here and nowhere else, so that an upgrade
+that renames one breaks one function, and ``tests/test_compat.py`` says which. A missing attribute
+raises ``LightningCompatError`` naming it and the installed and tested versions.
+
+A subclass that overrides a private hook (``DDPStrategy._setup_model``) marks it with
+``overrides_private``, and the tests check that the hook still exists: a hook that Lightning no
+longer calls would make the override do nothing, silently.
+
+``setup.cfg`` allows the pytorch-lightning minor versions in ``TESTED_VERSIONS``; on any other,
+the command line starts with one warning line (``untested_version_warning``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytorch_lightning as pl
+import torchmetrics
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.plugins import LayerSync
+from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
+from torch import nn
+from torchmetrics import Metric
+
+#: The pytorch-lightning minor versions the test suite passes with; ``setup.cfg`` allows these only.
+TESTED_VERSIONS = ("2.6",)
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+_OVERRIDES: list[tuple[type, str]] = []
+
+
+class LightningCompatError(AttributeError):
+    """The installed Lightning (or torchmetrics) lacks a private attribute that the package reads."""
+
+
+def _private(obj: Any, name: str, owner: str, package: str = "pytorch-lightning") -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        lightning = package == "pytorch-lightning"
+        version = pl.__version__ if lightning else torchmetrics.__version__
+        tested = f"; it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}" if lightning else ""
+        raise LightningCompatError(
+            f"{package} {version} has no {owner}.{name}, which lit_imagenet reads (lit_imagenet/compat.py){tested}."
+        ) from None
+
+
+def untested_version_warning(version: str | None = None) -> str | None:
+    """The warning line for a pytorch-lightning version outside ``TESTED_VERSIONS``, or ``None``.
+
+    Args:
+        version: The version to check; ``None``: the installed one.
+    """
+    version = pl.__version__ if version is None else version
+    if ".".join(version.split(".")[:2]) in TESTED_VERSIONS:
+        return None
+    return f"warning: pytorch-lightning {version} is untested; tested: {', '.join(TESTED_VERSIONS)}"
+
+
+def overrides_private(base: type) -> Callable[[_Method], _Method]:
+    """Marks a method that overrides the private hook of the same name in ``base`` (see ``private_overrides``)."""
+
+    def mark(method: _Method) -> _Method:
+        _OVERRIDES.append((base, method.__name__))
+        return method
+
+    return mark
+
+
+def private_overrides() -> list[tuple[type, str]]:
+    """``(Lightning class, hook name)`` of every private hook overridden in the modules imported so far."""
+    return list(_OVERRIDES)
+
+
+def writes_log_line(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
+    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
+    return bool(_private(trainer, "_logger_connector", "Trainer").should_update_logs)
+
+
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """The step Lightning writes the current batch's logs at: optimizer steps taken before this batch's."""
+    return int(_private(trainer.fit_loop.epoch_loop, "_batches_that_stepped", "_TrainingEpochLoop"))
+
+
+def accumulates_gradients(trainer: pl.Trainer) -> bool:
+    """Whether the current training batch only accumulates gradients: no optimizer step follows it."""
+    return bool(_private(trainer.fit_loop.epoch_loop, "_should_accumulate", "_TrainingEpochLoop")())
+
+
+def last_checkpoint_saved(callback: ModelCheckpoint) -> tuple[str, int] | None:
+    """``(path, global step)`` of the checkpoint ``callback`` wrote last, or ``None`` before its first."""
+    path = _private(callback, "_last_checkpoint_saved", "ModelCheckpoint")
+    step = _private(callback, "_last_global_step_saved", "ModelCheckpoint")
+    return (str(path), int(step)) if path else None
+
+
+def save_last_checkpoint(callback: ModelCheckpoint, trainer: pl.Trainer) -> None:
+    """Makes ``callback`` write its ``last`` checkpoint now, as it does at its own saving points."""
+    candidates = _private(callback, "_monitor_candidates", "ModelCheckpoint")(trainer)
+    _private(callback, "_save_last_checkpoint", "ModelCheckpoint")(trainer, candidates)
+
+
+def ddp_kwargs(strategy: DDPStrategy) -> dict[str, Any]:
+    """The keyword arguments the strategy passes to ``DistributedDataParallel``."""
+    return dict(_private(strategy, "_ddp_kwargs", "DDPStrategy"))
+
+
+def layer_sync(strategy: ParallelStrategy) -> LayerSync | None:
+    """The strategy's batch-norm synchronisation (``--trainer.sync_batchnorm true``), or ``None``."""
+    return _private(strategy, "_layer_sync", "ParallelStrategy")
+
+
+def attached_trainer(module: nn.Module) -> pl.Trainer | None:
+    """The trainer a LightningModule is attached to; ``None`` for none, or for a plain ``nn.Module``.
+
+    ``LightningModule.trainer`` raises when there is none.
+    """
+    if not isinstance(module, pl.LightningModule):
+        return None
+    return _private(module, "_trainer", "LightningModule")
+
+
+def logger_prefix(logger: CSVLogger) -> str:
+    """The prefix a ``CSVLogger`` puts before every metric name."""
+    return str(_private(logger, "_prefix", "CSVLogger"))
+
+
+def metric_defaults(metric: Metric) -> dict[str, Any]:
+    """A torchmetrics metric's states as ``reset()`` leaves them, by name."""
+    return dict(_private(metric, "_defaults", "Metric", package="torchmetrics"))

@@ -1,0 +1,184 @@
+"""Each private Lightning attribute the package reads, read from a real Trainer of the installed version.
+
+A failure here after an upgrade names the attribute that went away (``LightningCompatError``).
+"""
+
+import configparser
+import csv
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger
+from pytorch_lightning.plugins import TorchSyncBatchNorm
+from pytorch_lightning.strategies import DDPStrategy
+from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric
+
+import lit_imagenet.cli  # noqa: F401  (imports every module that overrides a private hook)
+from lit_imagenet import compat
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.layer(batch[0]).pow(2).mean()
+        self.log("probe", float(batch_idx), on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=1)
+
+
+class Record(pl.Callback):
+    """What the accessors say at the end of every training batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.step_at_start = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step_at_start = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.rows.append(
+            {
+                "writes": compat.writes_log_line(trainer),
+                "logged_at": compat.batches_that_stepped(trainer),
+                "accumulates": compat.accumulates_gradients(trainer),
+                "stepped": trainer.global_step != self.step_at_start,
+                "trainer": compat.attached_trainer(pl_module),
+            }
+        )
+
+
+class SaveAtBatch(ModelCheckpoint):
+    """Writes its ``last`` checkpoint through ``compat.save_last_checkpoint`` at one batch, and never else."""
+
+    def __init__(self, dirpath: Path, batch: int) -> None:
+        super().__init__(dirpath=dirpath, save_top_k=0, save_last=True, every_n_epochs=0)
+        self.batch = batch
+        self.before: tuple[str, int] | None = ("not read", -1)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if args[-1] == self.batch:
+            self.before = compat.last_checkpoint_saved(self)
+            compat.save_last_checkpoint(self, trainer)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """8 batches, gradients accumulated over 2, a log line every 2 optimizer steps, a save at batch 4."""
+    out = tmp_path_factory.mktemp("compat")
+    record, saver = Record(), SaveAtBatch(out / "ckpt", batch=4)
+    model = Tiny()
+    unattached = compat.attached_trainer(model)
+    trainer = pl.Trainer(
+        default_root_dir=out, max_epochs=1, accumulate_grad_batches=2, log_every_n_steps=2, accelerator="cpu",
+        logger=CSVLogger(out, name="logs"), callbacks=[record, saver], enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    return SimpleNamespace(trainer=trainer, model=model, rows=record.rows, saver=saver, unattached=unattached)
+
+
+def test_accumulates_gradients_is_true_exactly_on_the_batches_without_an_optimizer_step(fitted) -> None:
+    assert [r["accumulates"] for r in fitted.rows] == [True, False] * 4
+    assert [not r["stepped"] for r in fitted.rows] == [r["accumulates"] for r in fitted.rows]
+
+
+def test_writes_log_line_and_batches_that_stepped_match_the_rows_lightning_writes(fitted) -> None:
+    assert [r["logged_at"] for r in fitted.rows] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [r["writes"] for r in fitted.rows] == [False, False, True, True, False, False, True, True]
+    rows = list(csv.DictReader(open(Path(fitted.trainer.log_dir) / "metrics.csv")))
+    written = {int(row["step"]) for row in rows if row.get("probe")}
+    assert written == {r["logged_at"] for r in fitted.rows if r["writes"]} == {1, 3}
+
+
+def test_last_checkpoint_saved_and_save_last_checkpoint(fitted) -> None:
+    assert fitted.saver.before is None  # nothing saved before batch 4
+    path, step = compat.last_checkpoint_saved(fitted.saver)
+    assert Path(path) == Path(fitted.saver.dirpath) / "last.ckpt"
+    assert step == 2 and torch.load(path, weights_only=True)["global_step"] == 2  # batch 4: 2 optimizer steps
+
+
+def test_attached_trainer(fitted) -> None:
+    assert fitted.unattached is None
+    assert all(r["trainer"] is fitted.trainer for r in fitted.rows)
+    assert compat.attached_trainer(torch.nn.Linear(1, 1)) is None  # a plain module has no trainer
+
+
+def test_ddp_kwargs_and_layer_sync() -> None:
+    assert compat.ddp_kwargs(DDPStrategy(find_unused_parameters=True)) == {"find_unused_parameters": True}
+    plain = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), logger=False)
+    assert compat.layer_sync(plain.strategy) is None
+    synced = pl.Trainer(accelerator="cpu", devices=1, strategy=DDPStrategy(), sync_batchnorm=True, logger=False)
+    assert isinstance(compat.layer_sync(synced.strategy), TorchSyncBatchNorm)
+
+
+def test_logger_prefix(tmp_path: Path) -> None:
+    assert compat.logger_prefix(CSVLogger(tmp_path, prefix="run1")) == "run1"
+
+
+def test_metric_defaults_are_the_states_after_reset() -> None:
+    metric = MeanMetric()
+    metric.update(torch.tensor([3.0, 5.0]))
+    defaults = compat.metric_defaults(metric)
+    assert set(defaults) == set(metric.metric_state) == {"mean_value", "weight"}
+    metric.reset()
+    assert all(torch.equal(metric.metric_state[name], value) for name, value in defaults.items())
+
+
+def test_every_overridden_private_hook_exists_in_lightning() -> None:
+    overrides = compat.private_overrides()
+    assert (DDPStrategy, "_setup_model") in overrides
+    for cls, name in overrides:
+        assert hasattr(cls, name), (
+            f"pytorch-lightning {pl.__version__} has no {cls.__name__}.{name}, which lit_imagenet overrides"
+        )
+
+
+def test_a_missing_attribute_names_itself_and_the_versions() -> None:
+    named = r"pytorch-lightning .+ has no Trainer\._logger_connector, .*tested with pytorch-lightning 2\.6"
+    with pytest.raises(compat.LightningCompatError, match=named):
+        compat.writes_log_line(SimpleNamespace())
+
+
+def test_untested_versions_warn() -> None:
+    assert compat.untested_version_warning("2.6.0") is None
+    assert compat.untested_version_warning("2.7.1") == "warning: pytorch-lightning 2.7.1 is untested; tested: 2.6"
+
+
+def test_setup_cfg_allows_the_tested_versions_only() -> None:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    pins = [line.strip() for line in cfg["options"]["install_requires"].splitlines() if "pytorch-lightning" in line]
+    major, minor = compat.TESTED_VERSIONS[-1].split(".")
+    assert pins == [f"pytorch-lightning>={compat.TESTED_VERSIONS[0]},<{major}.{int(minor) + 1}"]
+
+
+def test_the_command_line_warns_once_on_an_untested_version(
+    shapes_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from lit_imagenet.cli import main
+    from tests.cli_args import fit_args
+
+    args = fit_args(shapes_root, tmp_path)[1:]  # no subcommand: only build the objects
+    main(args, run=False)
+    assert "untested" not in capsys.readouterr().err
+    monkeypatch.setattr(pl, "__version__", "2.99.0")
+    main(args, run=False)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "untested" in line]
+    assert lines == ["warning: pytorch-lightning 2.99.0 is untested; tested: 2.6"]
