@@ -157,6 +157,11 @@ class Throughput(pl.Callback):
         self._epoch_images = 0
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
+        self.on_train_epoch_start(trainer, pl_module)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sync_device(pl_module)
         if pl_module.device.type == "cuda":
@@ -255,6 +260,8 @@ class PredictionWriter(BasePredictionWriter):
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rows = sorted(self._gathered_rows(trainer))
         self._rows = []
+        # On every rank: the trainer's log folder is broadcast from rank 0, a collective.
+        path = Path(self.output) if self.output is not None else self._default_path(trainer)
         if not trainer.is_global_zero:
             return
         datamodule = trainer.datamodule
@@ -262,7 +269,6 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError("PredictionWriter needs a data module with samples('predict') to name the files.")
         samples = datamodule.samples("predict")
         names = getattr(pl_module.hparams, "class_names", None) or None
-        path = Path(self.output) if self.output is not None else self._default_path(trainer)
         path.parent.mkdir(parents=True, exist_ok=True)
         k = len(rows[0][1]) if rows else 0
         header = ["path"] + [col for i in range(1, k + 1) for col in (f"class_{i}", f"prob_{i}")]

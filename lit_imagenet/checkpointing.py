@@ -12,19 +12,24 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+import torch.distributed as dist
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lit_imagenet import compat
 from lit_imagenet.compat import last_checkpoint_saved, save_last_checkpoint
+from lit_imagenet.ddp import DelayedMax
 
 
 class CheckpointWriteError(OSError):
@@ -161,3 +166,88 @@ def find_last_checkpoint(root: str | os.PathLike[str]) -> str | None:
     if not found:
         return None
     return str(max(found, key=lambda p: p.stat().st_mtime_ns))
+
+
+class SigtermConsensus(pl.Callback):
+    """Under DDP, stops every rank at the same batch when any of them gets SIGTERM.
+
+    Lightning's own handling, which this replaces in multi-process runs, broadcasts from inside the
+    signal handler and again before every batch, and a signalled rank stops at the end of its own
+    batch: a rank that gets the signal one batch later than another (rank 0 forwards it to the
+    ranks it started, which takes a moment; a scheduler signals each rank on its own) is then in a
+    different collective from the others, and the run hangs instead of saving. The per-batch
+    broadcast also makes the host wait for the GPU at every step.
+
+    Here the signal handler only notes the signal. Every ``check_every_n_steps`` batches (by default
+    on Lightning's log steps) the ranks take the maximum of their notes without waiting for the GPU
+    (``DelayedMax``); when a check reports a signal, every rank marks it for Lightning at the same
+    batch, so they stop together and ``StepCheckpoint`` saves ``last-step.ckpt``. The run stops up to
+    twice that many batches after the signal; at the end of an epoch the check waits for the result.
+    Single-process runs keep Lightning's own handling.
+
+    Args:
+        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps.
+    """
+
+    def __init__(self, check_every_n_steps: int | None = None) -> None:
+        if check_every_n_steps is not None and check_every_n_steps < 1:
+            raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
+        self.check_every_n_steps = check_every_n_steps
+        self._active = False
+        self._signalled = False
+        self._flag: torch.Tensor | None = None
+        self._max: DelayedMax | None = None
+        self._in_flight: int | None = None
+        self._batches = 0
+
+    def _handler(self, trainer: pl.Trainer) -> Any:
+        def note(signum: int, frame: Any) -> None:
+            if not self._signalled:
+                print(f"[rank {trainer.global_rank}] Received SIGTERM; every rank stops at the next check.",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            self._signalled = True
+
+        return note
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._active = trainer.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if not self._active:
+            return
+        self._signalled = False
+        self._flag = torch.zeros(1, dtype=torch.int64, device=pl_module.device)
+        self._max = DelayedMax(1, pl_module.device)
+        self._in_flight = None
+        self._batches = 0
+        # Lightning puts its own handlers back when the run ends.
+        signal.signal(signal.SIGTERM, self._handler(trainer))
+        compat.skip_sigterm_broadcast(trainer)
+
+    def _start(self) -> int:
+        assert self._flag is not None and self._max is not None
+        self._flag.fill_(int(self._signalled))
+        return self._max.start(self._flag)
+
+    def _stop_if_signalled(self, trainer: pl.Trainer, slot: int) -> None:
+        assert self._max is not None
+        if self._max.read(slot)[0]:
+            compat.mark_sigterm(trainer)  # Lightning stops every rank at the end of this batch
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._active:
+            return
+        self._batches += 1
+        every = self.check_every_n_steps
+        if (self._batches % every == 0) if every else compat.writes_log_line(trainer):
+            previous, self._in_flight = self._in_flight, self._start()
+            if previous is not None:
+                self._stop_if_signalled(trainer, previous)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._in_flight = None
+            self._stop_if_signalled(trainer, self._start())

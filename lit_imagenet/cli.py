@@ -20,6 +20,7 @@ from typing_extensions import override
 from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
+    SigtermConsensus,
     StepCheckpoint,
     find_last_checkpoint,
     use_atomic_checkpoint_io,
@@ -94,6 +95,7 @@ class ImageNetCLI(LightningCLI):
             }
         )
         parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
+        parser.add_lightning_class_args(SigtermConsensus, "sigterm")
         parser.add_lightning_class_args(LearningRateLog, "lr_monitor")
         parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
         # ConsoleLog before Throughput: an epoch's last console line comes before its summary line.
@@ -269,10 +271,6 @@ def main(
             args=args,
             run=run,
         )
-        if run and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter shutdown, the process group's threads can abort the process
-            # ("terminate called without an active exception") after a run that succeeded.
-            torch.distributed.destroy_process_group()
         return cli
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
@@ -288,3 +286,9 @@ def main(
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(1)
+    finally:
+        if run and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Left to interpreter shutdown, the process group's threads can abort the process
+            # ("terminate called without an active exception"), whether the run finished or stopped,
+            # and the exit status would no longer say which.
+            torch.distributed.destroy_process_group()

@@ -135,3 +135,22 @@ def logger_prefix(logger: CSVLogger) -> str:
 def metric_defaults(metric: Metric) -> dict[str, Any]:
     """A torchmetrics metric's states as ``reset()`` leaves them, by name."""
     return dict(_private(metric, "_defaults", "Metric", package="torchmetrics"))
+
+
+def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
+    """Stops Lightning's broadcast of rank 0's SIGTERM flag before every training batch, for this run.
+
+    It reads the flag back on the host, so every batch waits for the GPU's queued work; the caller
+    takes over telling the ranks about a signal (``checkpointing.SigtermConsensus``).
+    """
+    loop = trainer.fit_loop.epoch_loop
+    _private(loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
+    loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute: this loop only
+
+
+def mark_sigterm(trainer: pl.Trainer) -> None:
+    """Marks the process as having received SIGTERM, as Lightning's handler does: the training loop
+    then stops at the end of the current batch, and ``trainer.received_sigterm`` is true."""
+    connector = _private(trainer, "_signal_connector", "Trainer")
+    _private(connector, "received_sigterm", "_SignalConnector")
+    connector.received_sigterm = True

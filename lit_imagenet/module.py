@@ -359,6 +359,9 @@ class ImageClassifier(pl.LightningModule):
     @override
     def on_train_start(self) -> None:
         """Scales the base rates by the global batch and sets the schedule's steps per epoch."""
+        if self.hparams.freeze_backbone_epochs:
+            # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
+            self.set_backbone_frozen(self.backbone_frozen)
         scheduler = self.lr_schedulers()
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours

@@ -29,6 +29,7 @@ from lit_imagenet.compat import (
     logger_prefix,
     writes_log_line,
 )
+from lit_imagenet.ddp import DelayedMax
 
 
 class NonFiniteLossError(RuntimeError):
@@ -64,13 +65,7 @@ class NonFiniteGuard(pl.Callback):
         # (consecutive non-finite losses, global step where that run began, where a run that reached
         # the limit began), on the device, updated in place: -1 means none.
         self._state: Tensor | None = None
-        # Two slots, used in turn, each holding a check's reduced value on the device and on the host.
-        # They live as long as the run: a copy or a collective still queued on the GPU never writes
-        # into memory that the caching allocator has handed to another tensor.
-        self._device_slots: Tensor | None = None
-        self._host_slots: Tensor | None = None
-        self._events: list[torch.cuda.Event | None] = [None, None]
-        self._slot = 0
+        self._max: DelayedMax | None = None
         self._in_flight: int | None = None  # the slot of the previous check, not read yet
         self._batches = 0
         self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
@@ -79,10 +74,7 @@ class NonFiniteGuard(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
         self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=device)
-        self._device_slots = torch.full((2,), -1, dtype=torch.int64, device=device)
-        self._host_slots = torch.full((2,), -1, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._events = [None, None]
-        self._slot = 0
+        self._max = DelayedMax(1, device)
         self._in_flight = None
         self._batches = 0
         self._saved = {}
@@ -121,7 +113,7 @@ class NonFiniteGuard(pl.Callback):
         every = self.check_every_n_steps
         if (self._batches % every == 0) if every else writes_log_line(trainer):
             previous = self._in_flight
-            self._in_flight = self._start_check(trainer)
+            self._in_flight = self._start_check()
             if previous is not None:
                 self._raise_if_tripped(trainer, self._read(previous))
 
@@ -129,35 +121,17 @@ class NonFiniteGuard(pl.Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._state is not None:
             self._in_flight = None  # the value read now includes it
-            self._raise_if_tripped(trainer, self._read(self._start_check(trainer)))
+            self._raise_if_tripped(trainer, self._read(self._start_check()))
 
-    def _start_check(self, trainer: pl.Trainer) -> int:
-        """Reduces where a bad run that reached the limit began (-1: none) over all ranks into the next
-        slot, and starts copying it to the host; returns the slot."""
-        assert self._state is not None and self._device_slots is not None and self._host_slots is not None
-        slot, self._slot = self._slot, 1 - self._slot
-        value = self._device_slots[slot : slot + 1]
-        value.copy_(self._state[2:3])
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Every rank stops together: a rank raising alone would leave the others waiting in their
-            # next collective. The counts can differ by a step, as each rank sees its own losses.
-            torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-        if value.is_cuda:
-            self._host_slots[slot : slot + 1].copy_(value, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(value.device))
-            self._events[slot] = event
-        else:
-            self._host_slots[slot : slot + 1].copy_(value)
-        return slot
+    def _start_check(self) -> int:
+        """Starts the maximum over all ranks of where a bad run that reached the limit began (-1: none): every
+        rank stops together, where one raising alone would leave the others waiting in their next collective."""
+        assert self._state is not None and self._max is not None
+        return self._max.start(self._state[2:3])
 
     def _read(self, slot: int) -> int:
-        """The value of a slot, once the GPU has written it (by then, long ago, but for epoch ends)."""
-        assert self._host_slots is not None
-        event, self._events[slot] = self._events[slot], None
-        if event is not None:
-            event.synchronize()
-        return int(self._host_slots[slot])
+        assert self._max is not None
+        return self._max.read(slot)[0]
 
     def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
         if start < 0:
@@ -200,6 +174,11 @@ class ConsoleLog(pl.Callback):
         self._images = 0
         self._batches = 0
         self._pending: dict[str, Any] | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
+        self.on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -249,14 +228,17 @@ class ConsoleLog(pl.Callback):
         rate = self._images / seconds
         batches = max(self._batches, 1)
         self._start, self._images, self._batches = now, 0, 0
+        # Read on every rank: at the end of an epoch this computes the epoch metrics, which synchronises
+        # them across ranks. Read on rank 0 alone, those collectives met the other ranks' next ones (the
+        # NonFiniteGuard's all-reduce): the ranks then exchanged wrong data, or waited for each other.
+        metrics = trainer.callback_metrics
         if not trainer.is_global_zero:
             return
-        trainer.callback_metrics["train/images_per_sec"] = torch.tensor(rate)
+        metrics["train/images_per_sec"] = torch.tensor(rate)
         for logger in trainer.loggers:
             logger.log_metrics({"train/images_per_sec": rate}, step=pending["step"])
         if not self.enabled:
             return
-        metrics = trainer.callback_metrics
         shown = [pending["where"], f"{seconds / batches:.3f} s/step", f"{rate:,.0f} images/s"]
         for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
             if key in metrics:

@@ -182,3 +182,28 @@ def test_the_command_line_warns_once_on_an_untested_version(
     main(args, run=False)
     lines = [line for line in capsys.readouterr().err.splitlines() if "untested" in line]
     assert lines == ["warning: pytorch-lightning 2.99.0 is untested; tested: 2.6"]
+
+
+def test_mark_sigterm_stops_training_at_the_end_of_the_batch(tmp_path: Path) -> None:
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    class MarkAt(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if args[-1] == 2:
+                compat.mark_sigterm(trainer)
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", logger=False,
+                         callbacks=[MarkAt()], enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    with pytest.raises(SIGTERMException):
+        trainer.fit(Tiny())
+    assert trainer.received_sigterm and trainer.global_step == 3
+
+
+def test_skip_sigterm_broadcast_replaces_the_loops_broadcast_for_this_run_only() -> None:
+    from pytorch_lightning.loops import _TrainingEpochLoop
+
+    trainer, other = (pl.Trainer(accelerator="cpu", logger=False) for _ in range(2))
+    compat.skip_sigterm_broadcast(trainer)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
+    assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
