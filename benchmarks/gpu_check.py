@@ -24,6 +24,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -54,10 +55,11 @@ def _machine() -> dict[str, Any]:
             "python": sys.version.split()[0]}  # fmt: skip
 
 
-def run_tests(out: Path) -> list[dict[str, Any]]:
+def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
     """``pytest -m gpu``; one row per test, from its JUnit report."""
     report = out / "gpu-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", f"--junitxml={report}",
+           *pytest_args]  # fmt: skip
     subprocess.run(cmd, cwd=REPO)
     rows: list[dict[str, Any]] = []
     if not report.is_file():
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
     parser.add_argument("--decoders", nargs="+", default=None,
                         help="fit rows (default: pil torchvision nvjpeg, and dali when it imports)")  # fmt: skip
+    parser.add_argument("--pytest-args", default="", help="more pytest arguments (tests part), e.g. a test file")
     parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -130,11 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     record.update(commit=_commit(), machine=_machine())
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
-        rows = run_tests(args.out) if part == "tests" else run_bench(args.out, decoders, args.extra)
+        if part == "tests":
+            rows = run_tests(args.out, shlex.split(args.pytest_args))
+        else:
+            rows = run_bench(args.out, decoders, args.extra)
         failed = sum(not r["ok"] for r in rows)
         now = datetime.datetime.now().isoformat(timespec="seconds")
         record["parts"][part] = {"commit": record["commit"], "date": now, "passed": len(rows) - failed,
                                  "failed": failed, "rows": rows}  # fmt: skip
+        if part == "tests" and args.pytest_args:
+            record["parts"][part]["pytest_args"] = args.pytest_args
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=2) + "\n")
     print("\n" + summary(record))

@@ -11,20 +11,26 @@ import torch.distributed as dist
 
 
 class PoisonBatches(pl.Callback):
-    """Turns the images of one rank's batches into NaN from a global step on, so that its loss is NaN.
+    """Makes one rank's network output NaN from a global step on, so that its loss is NaN.
 
     Args:
-        rank: The global rank whose batches are poisoned.
-        from_step: The first global step (before its optimizer step) whose batch is poisoned.
+        rank: The global rank whose outputs are poisoned.
+        from_step: The first global step (before its optimizer step) whose output is poisoned.
     """
 
     def __init__(self, rank: int = 0, from_step: int = 0) -> None:
         self.rank = rank
         self.from_step = from_step
+        self._poison = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        pl_module.register_forward_hook(lambda module, args, out: out * float("nan") if self._poison else out)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        if trainer.global_rank == self.rank and trainer.global_step >= self.from_step:
-            batch[0].mul_(float("nan"))
+        self._poison = trainer.global_rank == self.rank and trainer.global_step >= self.from_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._poison = False
 
 
 class RecordCollectives(pl.Callback):

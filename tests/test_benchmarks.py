@@ -131,3 +131,32 @@ def test_resize_gil_benchmark_times_both_versions() -> None:
     out = measure(pictures=4, height=12, width=10, size=6, repeats=1, device=torch.device("cpu"))
     assert set(out) == {f"{v}_{w}_ms" for v in ("python", "torchscript") for w in ("alone", "beside_busy_thread")}
     assert all(value > 0 for value in out.values())
+
+
+def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_path: Path, monkeypatch) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    report = tmp_path / "gpu-tests.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_multi_gpu" name="test_a" time="12.5"/>'
+        '<testcase classname="tests.test_multi_gpu" name="test_b" time="3"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.test_gpu" name="test_c" time="0"><skipped message="needs 2 CUDA devices"/>'
+        "</testcase></testsuite></testsuites>"
+    )
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: None)
+    rows = gpu_check.run_tests(tmp_path, [])
+    assert [(r["row"], r["ok"]) for r in rows] == [
+        ("test_multi_gpu::test_a", True), ("test_multi_gpu::test_b", False), ("test_gpu::test_c", True)
+    ]  # fmt: skip
+    assert rows[2]["detail"] == "skipped: needs 2 CUDA devices"
+    bench = gpu_check._bench_row({"setting": "fit-pil", "arch": "resnet50", "devices": 2, "images_per_sec": 5000.0,
+                                  "ratio": 0.8, "peak_memory_gib": 11.0})  # fmt: skip
+    record = {"commit": "new", "machine": {"gpus": ["H"]},
+              "parts": {"tests": {"commit": "old", "passed": 2, "failed": 1, "rows": rows},
+                        "bench": {"commit": "new", "passed": 1, "failed": 0, "rows": [bench]}}}  # fmt: skip
+    text = gpu_check.summary(record)
+    assert "tests: 2 passed, 1 failed (at old, not this commit)" in text
+    assert "bench: 1 passed, 0 failed\n" in text and "5,000 images/s" in text
+    assert "FAIL  test_multi_gpu::test_b" in text

@@ -20,11 +20,14 @@ import pytest
 import torch
 
 from lit_imagenet.synthetic import make_shapes
+from tests.processes import rank_pid
 
+# LIT_IMAGENET_DDP_ON_CPU=1 runs the same tests with two CPU processes (gloo, 32-true), to debug them off a GPU.
+ON_CPU = os.environ.get("LIT_IMAGENET_DDP_ON_CPU") == "1"
 pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
     pytest.mark.timeout(300),
+    *([] if ON_CPU else [pytest.mark.gpu]),
+    pytest.mark.skipif(not ON_CPU and torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,7 +43,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _args(root: Path, out: Path, *extra: str, devices: int = 2, subcommand: str = "fit") -> list[str]:
     ddp = ["--config", "configs/ddp.yaml"] if devices > 1 else []
-    return [
+    args = [
         sys.executable, "train.py", subcommand, "--config", "configs/resnet50.yaml", *ddp,
         "--trainer.devices", str(devices), "--data.root", str(root), "--model.arch", "resnet18",
         "--data.batch_size", "16", "--data.crop_size", "56", "--data.val_resize", "64", "--data.workers", "2",
@@ -48,6 +51,12 @@ def _args(root: Path, out: Path, *extra: str, devices: int = 2, subcommand: str 
         "--trainer.enable_model_summary", "false", "--trainer.benchmark", "false",
         "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out), *extra,
     ]  # fmt: skip
+    if ON_CPU:  # what only a GPU has goes: sync BN, mixed precision
+        for flag in ("--trainer.sync_batchnorm", "--trainer.precision"):
+            while flag in args:
+                del args[args.index(flag) : args.index(flag) + 2]
+        args += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
+    return args
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -70,28 +79,42 @@ def _assert_exact_count(value: float) -> None:
     assert abs(hits - round(hits)) < 1e-4, f"{value} is no fraction of {VAL_IMAGES} images: some were counted twice"
 
 
-@pytest.mark.parametrize(
-    "strategy, precision, extra",
-    [
-        ("ddp_default_stream", "16-mixed", []),
-        ("ddp", "bf16-mixed", []),
-        # sync BN with native AMP, and the frozen backbone, which DDP sees as unused parameters
-        ("ddp_find_unused_parameters_true", "16-mixed",
-         ["--trainer.sync_batchnorm", "true", "--model.freeze_backbone_epochs", "1"]),
-    ],
-)  # fmt: skip
-def test_two_gpu_fit_trains_and_validates_exactly(
-    root: Path, tmp_path: Path, strategy: str, precision: str, extra: list[str]
-) -> None:
-    epochs = 2 if "--model.freeze_backbone_epochs" in extra else 1
-    fit = _run(_args(root, tmp_path / "fit", "--trainer.strategy", strategy, "--trainer.precision", precision,
-                     "--trainer.max_epochs", str(epochs), *extra))  # fmt: skip
-    assert fit.returncode == 0, fit.stderr[-2000:]
-    rows = _rows(tmp_path / "fit")
+RUNS = {
+    # native AMP with sync BN, on the recipe's strategy
+    "ddp_default_stream-16-mixed": ["--trainer.strategy", "ddp_default_stream", "--trainer.precision", "16-mixed",
+                                    "--trainer.sync_batchnorm", "true", "--trainer.max_epochs", "1"],
+    # plain DDP (finding the frozen backbone's unused parameters) in bfloat16, two epochs: the first frozen
+    "ddp-bf16-mixed": ["--trainer.strategy", "ddp_find_unused_parameters_true", "--trainer.precision", "bf16-mixed",
+                       "--model.freeze_backbone_epochs", "1", "--trainer.max_epochs", "2"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fitted(root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The log folders of the ``RUNS``, each a two-GPU ``fit``, made once for the tests that read them."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            out = tmp_path_factory.mktemp(name)
+            done = _run(_args(root, out, *RUNS[name]))
+            assert done.returncode == 0, done.stderr[-2000:]
+            made[name] = out
+        return made[name]
+
+    return get  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_gpu_fit_trains_and_validates_exactly(root: Path, tmp_path: Path, fitted, name: str) -> None:
+    out = fitted(name)
+    epochs = int(RUNS[name][RUNS[name].index("--trainer.max_epochs") + 1])
+    rows = _rows(out)
     losses = [float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")]
     assert len(losses) >= STEPS_PER_EPOCH * epochs // 5 and all(math.isfinite(v) for v in losses)
     assert int(max(int(r["step"]) for r in rows)) + 1 >= 40 * epochs
-    ckpt = next((tmp_path / "fit").rglob("last.ckpt"))
+    ckpt = next(out.rglob("last.ckpt"))
+    precision = RUNS[name][RUNS[name].index("--trainer.precision") + 1]
     val = _run(_args(root, tmp_path / "val", "--ckpt_path", str(ckpt), "--trainer.precision", precision,
                      devices=1, subcommand="validate"))  # fmt: skip
     assert val.returncode == 0, val.stderr[-2000:]
@@ -107,28 +130,13 @@ def test_two_gpu_fit_trains_and_validates_exactly(
 def test_nan_on_one_rank_stops_both_ranks_naming_the_step(root: Path, tmp_path: Path) -> None:
     poison = tmp_path / "poison.yaml"
     poison.write_text(
-        "trainer:\n  callbacks:\n    - class_path: tests.gpu_callbacks.PoisonBatches\n"
+        "trainer:\n  callbacks:\n    - class_path: tests.run_callbacks.PoisonBatches\n"
         "      init_args: {rank: 1, from_step: 12}\n"
     )
     done = _run(_args(root, tmp_path, "--config", str(poison), "--trainer.max_epochs", "3",
                       "--non_finite.max_consecutive", "8"))  # fmt: skip
     assert done.returncode == 1, done.stderr[-2000:]
     assert "The training loss was NaN or infinite for 8 consecutive batches from global step 12;" in done.stderr
-
-
-def _rank1_pid(parent: int) -> int:
-    """The second rank: the child of rank 0 that Lightning started with LOCAL_RANK=1."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == parent and b"LOCAL_RANK=1" in environ:
-            return int(entry.name)
-    raise AssertionError("no process of rank 1 found")
 
 
 @pytest.mark.parametrize("targets", ["rank 0", "all ranks"])
@@ -143,7 +151,7 @@ def test_sigterm_saves_a_step_checkpoint_that_resumes(root: Path, tmp_path: Path
             if " step " in line and "images/s" in line:
                 break
         time.sleep(1.0)
-        pids = [proc.pid] + ([_rank1_pid(proc.pid)] if targets == "all ranks" else [])
+        pids = [proc.pid] + ([rank_pid(proc.pid, 1)] if targets == "all ranks" else [])
         for pid in pids:
             os.kill(pid, signal.SIGTERM)
         proc.communicate(timeout=120)
@@ -164,26 +172,32 @@ def test_sigterm_saves_a_step_checkpoint_that_resumes(root: Path, tmp_path: Path
     assert final["global_step"] == step + 10
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_a_run_resumes_on_another_number_of_gpus(root: Path, tmp_path: Path, first: int, then: int) -> None:
-    done = _run(_args(root, tmp_path, "--trainer.max_epochs", "1", devices=first))
+def test_a_two_gpu_run_resumes_on_one_gpu(root: Path, tmp_path: Path, fitted) -> None:
+    ckpt = next(fitted("ddp_default_stream-16-mixed").rglob("last.ckpt"))
+    step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
+    resumed = _run(_args(root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt), devices=1))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    final = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
+    assert final["epoch"] == 1 and final["global_step"] == step + 2 * STEPS_PER_EPOCH - 1  # 81 batches of 16
+
+
+def test_a_one_gpu_run_resumes_on_two_gpus(root: Path, tmp_path: Path) -> None:
+    done = _run(_args(root, tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "1", devices=1))
     assert done.returncode == 0, done.stderr[-2000:]
     ckpt = next(tmp_path.rglob("last.ckpt"))
     step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
-    resumed = _run(_args(root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt), devices=then))
+    resumed = _run(_args(root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     final = torch.load(next(tmp_path.rglob("version_1/**/last.ckpt")), map_location="cpu", weights_only=False)
-    assert final["epoch"] == 1 and final["global_step"] > step
+    assert final["epoch"] == 1 and final["global_step"] == step + STEPS_PER_EPOCH
 
 
-def test_two_gpu_predict_writes_every_image_once(root: Path, tmp_path: Path) -> None:
-    done = _run(_args(root, tmp_path / "fit", "--trainer.max_epochs", "1", devices=1))
-    assert done.returncode == 0, done.stderr[-2000:]
-    ckpt = next((tmp_path / "fit").rglob("last.ckpt"))
-    out = tmp_path / "predictions.csv"
-    predicted = _run(_args(root, tmp_path / "predict", "--ckpt_path", str(ckpt), "--data.predict_root",
-                           str(root / "val"), "--predict_writer.output", str(out), subcommand="predict"))  # fmt: skip
+def test_two_gpu_predict_writes_every_image_once(root: Path, tmp_path: Path, fitted) -> None:
+    ckpt = next(fitted("ddp_default_stream-16-mixed").rglob("last.ckpt"))
+    predicted = _run(_args(root, tmp_path, "--ckpt_path", str(ckpt), "--data.predict_root", str(root / "val"),
+                           subcommand="predict"))  # fmt: skip
     assert predicted.returncode == 0, predicted.stderr[-2000:]
+    (out,) = tmp_path.rglob("predictions.csv")  # the default: in the run's log folder
     rows = list(csv.DictReader(open(out)))
     assert sorted(Path(r["path"]) for r in rows) == sorted((root / "val").rglob("*.jpg"))
     assert len(rows) == VAL_IMAGES
