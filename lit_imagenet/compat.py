@@ -118,13 +118,14 @@ def layer_sync(strategy: ParallelStrategy) -> LayerSync | None:
 
 
 def attached_trainer(module: nn.Module) -> pl.Trainer | None:
-    """The trainer a LightningModule is attached to; ``None`` for none, or for a plain ``nn.Module``.
+    """The trainer a LightningModule is attached to, or ``None`` (``LightningModule.trainer`` raises then).
 
-    ``LightningModule.trainer`` raises when there is none.
+    Another module answers from a ``_trainer`` attribute of its own, as ``ApexAMP`` always read it;
+    a plain ``nn.Module`` has none and gets ``None``.
     """
-    if not isinstance(module, pl.LightningModule):
-        return None
-    return _private(module, "_trainer", "LightningModule")
+    if isinstance(module, pl.LightningModule):
+        return _private(module, "_trainer", "LightningModule")
+    return getattr(module, "_trainer", None)
 
 
 def logger_prefix(logger: CSVLogger) -> str:
