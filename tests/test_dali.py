@@ -277,6 +277,16 @@ def test_workers_are_dali_threads_and_the_loader_has_a_length(shapes_root: Path)
     assert _module(shapes_root, workers=0).val_dataloader().threads == 1
 
 
+def test_predict_batches_carry_the_sample_indices(shapes_root: Path) -> None:
+    dm = ImageFolderDataModule(predict_root=str(shapes_root / "val"), batch_size=4, workers=1, crop_size=32,
+                               val_resize=36, decoder="dali")  # fmt: skip
+    batches = list(dm.predict_dataloader())
+    assert torch.equal(torch.cat([index for _, index in batches]), torch.arange(15))
+    pil = ImageFolderDataModule(predict_root=str(shapes_root / "val"), batch_size=15, workers=0, crop_size=32,
+                                val_resize=36)  # fmt: skip
+    assert levels(torch.cat([x for x, _ in batches]), next(iter(pil.predict_dataloader()))[0]).max() <= 1
+
+
 def test_batches_are_float16_for_16_bit_precisions() -> None:
     assert batch_dtype("16-mixed") == batch_dtype("16-true") == torch.float16
     assert batch_dtype("32-true") == batch_dtype("bf16-mixed") == batch_dtype(None) == torch.float32
