@@ -1,11 +1,12 @@
 """The data path alone: how fast each decoder delivers normalised training batches to the GPU, no model.
 
-For each ``--decoders`` entry (``pil``, ``torchvision``, ``nvjpeg`` or ``nvjpeg@SHARE``) it builds the
-project's ``ImageFolderDataModule`` on ``--data``, iterates its training loader through the side-stream
-prefetcher (as ``fit`` does) and reports images/s over ``--batches`` batches after the first one, with the
-GPU synchronised at both ends. If the GPU trains faster than a decoder delivers, that decoder bounds
-``fit``. For ``nvjpeg`` it also times one batch's pieces: the batched ``decode_jpeg`` alone, and the whole
-``EncodedBatch.decode`` (decode, crop and resize, flip, rounding), with the host time that each takes.
+For each ``--decoders`` entry (``pil``, ``torchvision``, ``nvjpeg``, ``nvjpeg@SHARE`` or ``dali``) it builds
+the project's ``ImageFolderDataModule`` on ``--data``, iterates its training loader through the side-stream
+prefetcher as ``fit`` does (a ``dali`` loader hands over batches on the GPU itself) and reports images/s over
+``--batches`` batches after the first one, with the GPU synchronised at both ends. If the GPU trains faster
+than a decoder delivers, that decoder bounds ``fit``. For ``nvjpeg`` it also times one batch's pieces: the
+batched ``decode_jpeg`` alone, and the whole ``EncodedBatch.decode`` (decode, crop and resize, flip,
+rounding), with the host time that each takes.
 
     python benchmarks/loader_speed.py --data /tmp/lit_imagenet_jpeg500 --decoders torchvision nvjpeg nvjpeg@0.5
 """
@@ -51,8 +52,8 @@ def loader_rate(root: str, decoder: str, args: argparse.Namespace, device: torch
         if count == args.batches:
             break
     seconds = _synced(device) - begin
-    if loader._iterator is not None:  # stop the persistent workers before the next decoder forks its own
-        loader._iterator._shutdown_workers()
+    if getattr(loader, "_iterator", None) is not None:  # stop the persistent workers before the next decoder
+        loader._iterator._shutdown_workers()  # forks its own (a DALI loader has threads, no workers)
     rate = count * args.batch_size / seconds
     print(f"{decoder}: {rate:,.0f} images/s over {count} batches ({seconds / count * 1e3:.1f} ms each), "
           f"first batch after {first:.2f} s", flush=True)  # fmt: skip

@@ -15,8 +15,9 @@ For each architecture, on one generated folder of JPEGs (``lit_imagenet.syntheti
   ``torch.autocast`` with ``torch.amp.GradScaler``, and SGD with the recipe's hyperparameters (at a
   constant learning rate). On CPU the batches are normalised with ``Uint8Normalize``.
 * ``fit-<decoder>``: ``train.py fit --config configs/resnet50.yaml`` in a subprocess, one row per
-  ``--data.decoder`` (``nvjpeg@0.4`` means ``--data.decoder nvjpeg --data.gpu_share 0.4``), with
-  2 validation batches and the checkpoint save in each epoch, as a real run has.
+  ``--data.decoder`` (``nvjpeg@0.4`` means ``--data.decoder nvjpeg --data.gpu_share 0.4``; ``dali``
+  needs NVIDIA DALI installed, and ``--workers`` is then its thread count), with 2 validation batches
+  and the checkpoint save in each epoch, as a real run has.
 
 Every row is timed over whole epochs with the host clock, epoch start included, and the GPU
 synchronised at each epoch's start and end; the row reports the last epoch (``--epochs``, 2 by
@@ -30,6 +31,7 @@ the ``model-alone`` images/s of the same architecture. ``--compile`` compiles th
 
     python benchmarks/throughput.py --out runs/throughput --devices 1 2
     python benchmarks/throughput.py --out runs/throughput-r50 --archs resnet50 --decoders nvjpeg nvjpeg@0.5
+    python benchmarks/throughput.py --out runs/throughput-dali --skip loop --decoders dali nvjpeg
     python benchmarks/throughput.py --out /tmp/tp --smoke   # CPU, tiny sizes, well under a minute
 
 ``--row-timeout S`` stops a ``fit`` row (its whole process group: DDP ranks and loader workers too) after
@@ -57,13 +59,13 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(r"Epoch (\d+): ([\d,.]+) images/s .*?(?:peak GPU memory ([\d.]+) GiB)?$")
 LR_PER_256, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-4  # configs/resnet50.yaml
-DECODER = re.compile(r"^(pil|torchvision|nvjpeg)(?:@([01](?:\.\d+)?))?$")
+DECODER = re.compile(r"^(pil|torchvision|nvjpeg|dali)(?:@([01](?:\.\d+)?))?$")
 
 
 def _decoder(text: str) -> str:
     match = DECODER.match(text)
     if match is None:
-        raise argparse.ArgumentTypeError(f"{text!r} is not pil, torchvision, nvjpeg or nvjpeg@SHARE (0 to 1)")
+        raise argparse.ArgumentTypeError(f"{text!r} is not pil, torchvision, nvjpeg, nvjpeg@SHARE (0 to 1) or dali")
     if match.group(2) is not None and (match.group(1) != "nvjpeg" or not 0 <= float(match.group(2)) <= 1):
         raise argparse.ArgumentTypeError(f"{text!r}: only nvjpeg takes a GPU share, between 0 and 1")
     return text
@@ -76,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data", default=None, help="shapes folder (default /tmp/lit_imagenet_jpeg500)")
     parser.add_argument("--archs", nargs="+", default=None, help="default resnet50 resnet18 (smoke: resnet18)")
     parser.add_argument("--decoders", nargs="*", type=_decoder, default=["pil", "torchvision", "nvjpeg"],
-                        help="fit rows: pil, torchvision, nvjpeg, or nvjpeg@SHARE (the GPU's share); "
+                        help="fit rows: pil, torchvision, nvjpeg, nvjpeg@SHARE (the GPU's share), or dali; "
                              "given with no value: no fit row on JPEGs")  # fmt: skip
     parser.add_argument("--devices", type=int, nargs="+", default=[1], help="GPU counts of the fit rows (DDP if > 1)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["model-alone", "fit-synthetic", "loop"],

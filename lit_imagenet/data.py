@@ -27,11 +27,13 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from PIL import Image
+from pytorch_lightning.utilities import rank_zero_info
 from torch import Tensor
 from torch.utils.data import Dataset, DistributedSampler
 from torchvision import transforms
 from torchvision.transforms import v2 as transforms_v2
 
+from lit_imagenet.dali import DALILoader, batch_dtype, choose_decoder, import_dali
 from lit_imagenet.errors import DataError, undecodable_image
 from lit_imagenet.gpu_decode import (
     EncodedBatch,
@@ -47,6 +49,7 @@ from lit_imagenet.gpu_decode import (
 )
 from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, PrefetchLoader
 
+DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -393,7 +396,11 @@ class ImageFolderDataModule(pl.LightningDataModule):
         decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
             decodes with ``torchvision.io`` and crops and resizes uint8 tensors; ``nvjpeg`` has the
             workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
-            (``lit_imagenet.gpu_decode``), for when the CPU cores cannot decode fast enough.
+            (``lit_imagenet.gpu_decode``), for when the CPU cores cannot decode fast enough; ``dali``
+            reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.dali``;
+            on CUDA the GPU and its hardware JPEG decoder do the work; ``workers`` is then its number of
+            CPU threads); ``auto`` picks ``dali`` on CUDA when DALI is installed, else ``nvjpeg`` on CUDA,
+            else ``pil``, and logs its choice.
         gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
             workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
             and the CPU cores have time to spare.
@@ -417,7 +424,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         verify_images: bool = False,
         predict_root: str | None = None,
         seed: int | None = None,
-        decoder: Literal["pil", "torchvision", "nvjpeg"] = "pil",
+        decoder: Literal["pil", "torchvision", "nvjpeg", "dali", "auto"] = "pil",
         gpu_share: float = 1.0,
         gpu_decode_ahead: int = 2,
     ) -> None:
@@ -443,13 +450,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.pin_memory = pin_memory
         self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
-        if decoder not in ("pil", "torchvision", "nvjpeg"):
-            raise ValueError(f"decoder must be 'pil', 'torchvision' or 'nvjpeg'. Got {decoder!r}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
+        if decoder == "dali":
+            import_dali()
         if not 0.0 <= gpu_share <= 1.0:
             raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
         if gpu_decode_ahead < 1:
             raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
         self.decoder = decoder
+        self._auto_choice: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
@@ -500,7 +510,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def _transforms(self) -> Any:
         # transforms.v2 resizes uint8 tensors as uint8 (several times faster than v1, which converts
         # them to float); both draw the same random numbers, so a seed gives the same crops.
-        return transforms if self.decoder == "pil" else transforms_v2
+        return transforms if self.decoder_in_use() == "pil" else transforms_v2
 
     def train_transform(self) -> Callable[[Any], Any]:
         """RandomResizedCrop and horizontal flip, on PIL images (``pil``) or uint8 tensors (the others)."""
@@ -517,6 +527,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         )
 
+    def decoder_in_use(self) -> str:
+        """``decoder``, or for ``auto`` the decoder it stands for on this run's device (logged when it changes)."""
+        if self.decoder != "auto":
+            return self.decoder
+        choice, reason = choose_decoder(self._on_cuda())
+        if choice != self._auto_choice:
+            rank_zero_info(f"Decoder: {choice} (--data.decoder auto: {reason}).")
+            self._auto_choice = choice
+        return choice
+
     def _memory_format(self) -> torch.memory_format:
         use = self._on_cuda() if self.channels_last is None else self.channels_last
         return torch.channels_last if use else torch.contiguous_format
@@ -526,17 +546,18 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return self.seed
         return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
 
-    def _loader(self, split: str, train: bool) -> PrefetchLoader:
+    def _loader(self, split: str, train: bool) -> PrefetchLoader | DALILoader:
+        decoder = self.decoder_in_use()
         transform = self.train_transform() if train else self.eval_transform()
         dataset: ImageFolderDataset
         collate: Callable[..., Any]
-        if self.decoder == "nvjpeg":
+        if decoder == "nvjpeg":
             dataset = EncodedImageFolderDataset(
                 self.samples(split), transform, train, self.crop_size, self.crop_scale, self.val_resize, self.gpu_share
             )
             collate = partial(collate_encoded, memory_format=self._memory_format())
         else:
-            loader = load_rgb_tensor if self.decoder == "torchvision" else load_rgb
+            loader = load_rgb_tensor if decoder == "torchvision" else load_rgb
             dataset = ImageFolderDataset(self.samples(split), transform, loader)
             collate = partial(collate_uint8, memory_format=self._memory_format())
         sampler: DistributedSampler | None = None
@@ -548,6 +569,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
                 sampler.resume_at(epoch, done * self.batch_size)
         elif world > 1:
             sampler = UnpaddedDistributedSampler(dataset, world, rank)
+        if decoder == "dali":
+            return self._dali_loader(split, train, sampler)
         return PrefetchLoader(
             dataset,
             batch_size=self.batch_size,
@@ -564,20 +587,40 @@ class ImageFolderDataModule(pl.LightningDataModule):
             decode_ahead=self.gpu_decode_ahead,
         )
 
+    def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None) -> DALILoader:
+        device = self.prefetch_device
+        if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
+            device = self.trainer.strategy.root_device
+        return DALILoader(
+            self.samples(split),
+            self.batch_size,
+            train,
+            self.crop_size,
+            self.val_resize,
+            self.crop_scale,
+            threads=self.workers,
+            sampler=sampler,
+            device=device,
+            channels_last=self._memory_format() == torch.channels_last,
+            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
+            mean=self.mean,
+            std=self.std,
+        )
+
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""
         if isinstance(batch, EncodedBatch):
             return batch.decode(device)
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
-    def train_dataloader(self) -> PrefetchLoader:
+    def train_dataloader(self) -> PrefetchLoader | DALILoader:
         return self._loader("train", train=True)
 
-    def val_dataloader(self) -> PrefetchLoader:
+    def val_dataloader(self) -> PrefetchLoader | DALILoader:
         return self._loader("val", train=False)
 
-    def test_dataloader(self) -> PrefetchLoader:
+    def test_dataloader(self) -> PrefetchLoader | DALILoader:
         return self._loader("test" if "test" in self._splits else "val", train=False)
 
-    def predict_dataloader(self) -> PrefetchLoader:
+    def predict_dataloader(self) -> PrefetchLoader | DALILoader:
         return self._loader("predict", train=False)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,3 +161,29 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
     assert "tests: 2 passed, 1 failed (at old, not this commit)" in text
     assert "bench: 1 passed, 0 failed\n" in text and "5,000 images/s" in text
     assert "FAIL  test_multi_gpu::test_b" in text
+
+
+@pytest.mark.dali
+def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
+    """``--decoders dali`` gives a fit-dali row beside model-alone, and a loader_speed row."""
+    out = tmp_path / "throughput"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out), "--skip", "loop",
+         "fit-synthetic", "--decoders", "dali"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "throughput.json").read_text())["rows"]
+    assert [r["setting"] for r in rows] == ["model-alone", "fit-dali"]
+    assert rows[1]["images_per_sec"] > 0 and rows[1]["ratio"] > 0
+    assert "--data.decoder dali" in Path(rows[1]["log"]).read_text().splitlines()[0]
+
+    speed = tmp_path / "loaders.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks/loader_speed.py"), "--data", str(shapes_root), "--workers", "1",
+         "--batch-size", "4", "--batches", "2", "--decoders", "dali", "--out", str(speed)],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(speed.read_text())["loaders"]
+    assert row["decoder"] == "dali" and row["batches"] == 2 and row["images_per_sec"] > 0

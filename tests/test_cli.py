@@ -41,6 +41,7 @@ def test_every_config_parses_and_instantiates(config: Path, shapes_root: Path, t
     assert cli.model.hparams.class_names == ["circle", "square", "triangle"]
     if config.name == "resnet50.yaml":
         assert cli.model.hparams.arch == "resnet50" and cli.datamodule.batch_size == 256
+        assert cli.datamodule.decoder == "auto"
         assert cli.model.hparams.milestones == [30, 60, 80]
     if config.name == "finetune.yaml":
         assert cli.model.hparams.lr_schedule == "cosine" and cli.model.hparams.freeze_backbone_epochs == 1
@@ -148,7 +149,8 @@ def _metrics(log_dir: Path) -> dict[str, float]:
     return {k: float(v) for row in rows for k, v in row.items() if v and k.startswith("val/")}
 
 
-def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("decoder", ["pil", pytest.param("dali", marks=pytest.mark.dali)])
+def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Path, decoder: str) -> None:
     torch.manual_seed(3)
     from lit_imagenet.models import build_model
 
@@ -159,6 +161,7 @@ def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Pa
         out = tmp_path / f"d{devices}"
         args = [
             "validate", "--data.root", str(shapes_root), "--data.batch_size", "4", "--data.workers", "0",
+            "--data.decoder", decoder,
             "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", "resnet18",
             "--model.weights", str(weights), "--trainer.accelerator", "cpu", "--trainer.devices", str(devices),
             "--trainer.strategy", "ddp" if devices > 1 else "auto", "--trainer.enable_progress_bar", "false",

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,30 @@ def _final(root: Path) -> Path:
     return max(root.rglob("*.ckpt"), key=lambda p: torch.load(p, map_location="cpu", weights_only=True)["global_step"])
 
 
+def kill_when(proc: subprocess.Popen, out: Path, at: Callable[[int], bool], timeout: float = 600) -> int:
+    """Sends SIGKILL to ``proc`` once its ``last-step.ckpt`` under ``out`` holds a step for which ``at`` is true.
+
+    Returns that step; fails the test if the run ends first.
+    """
+    killed_at = None
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        steps = list(out.rglob("last-step.ckpt"))
+        if steps:
+            try:
+                step = torch.load(steps[0], map_location="cpu", weights_only=True)["global_step"]
+            except Exception:  # being replaced this instant
+                step = 0
+            if at(step):
+                proc.send_signal(signal.SIGKILL)
+                killed_at = step
+                break
+        time.sleep(0.02)
+    proc.communicate(timeout=60)
+    assert killed_at is not None and proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    return killed_at
+
+
 def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
     # 144 training images in batches of 6: 24 steps an epoch, 48 in all; the kill lands in epoch 0 or 1.
     whole = tmp_path / "whole"
@@ -47,23 +72,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_roo
     assert proc.returncode == 0, out[-3000:]
 
     cut = tmp_path / "cut"
-    proc = _start(_args(learnable_root, cut), tmp_path)
-    killed_at = None
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        steps = list(cut.rglob("last-step.ckpt"))
-        if steps:
-            try:
-                step = torch.load(steps[0], map_location="cpu", weights_only=True)["global_step"]
-            except Exception:  # being replaced this instant
-                step = 0
-            if step >= 15:
-                proc.send_signal(signal.SIGKILL)
-                killed_at = step
-                break
-        time.sleep(0.02)
-    proc.communicate(timeout=60)
-    assert killed_at is not None and proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    killed_at = kill_when(_start(_args(learnable_root, cut), tmp_path), cut, lambda step: step >= 15)
     assert 15 <= killed_at < 48
 
     proc = _start(_args(learnable_root, cut, "--ckpt_path", "last"), tmp_path)

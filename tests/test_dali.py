@@ -1,0 +1,388 @@
+"""The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from PIL import Image
+
+from lit_imagenet.dali import (
+    CROP_RATIO,
+    DALILoader,
+    batch_dtype,
+    choose_decoder,
+    crop_draws,
+    crop_window,
+    dali_install_command,
+    flips,
+)
+from lit_imagenet.data import DataError, EpochSeededSampler, ImageFolderDataModule, UnpaddedDistributedSampler
+from lit_imagenet.errors import ConfigError
+from lit_imagenet.prefetch import IMAGENET_STD, Uint8Normalize
+from tests.cli_args import fit_args
+from tests.test_resume import _final, _network, _start, kill_when
+
+STD_255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
+SIZES = [(40, 50), (61, 37), (120, 45), (45, 120), (33, 33), (200, 20), (57, 43), (64, 64)]  # (width, height)
+
+
+def levels(normalised: torch.Tensor, reference_uint8: torch.Tensor) -> torch.Tensor:
+    """Per-pixel difference between a normalised batch and a uint8 one, in whole grey levels (DALI resizes in uint8)."""
+    return ((normalised.float() - Uint8Normalize()(reference_uint8)) * STD_255).abs().round()
+
+
+def _module(root: Path, **kwargs) -> ImageFolderDataModule:
+    settings = dict(batch_size=6, workers=2, crop_size=32, val_resize=36, decoder="dali", seed=3)
+    return ImageFolderDataModule(str(root), **{**settings, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def varied_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Noisy JPEGs of many sizes and aspect ratios (one extreme), two classes, both splits."""
+    root = tmp_path_factory.mktemp("varied")
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c, name in enumerate("ab"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for k, (w, h) in enumerate(SIZES):
+                pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+                pixels[: h // 2] //= 2  # darker top half: a vertical flip or offset shows
+                pixels[:, : w // 3, c] = 255  # a bright band on the left: a mirror shows
+                Image.fromarray(pixels).save(folder / f"{k}.jpg", quality=95)
+    return root
+
+
+pytestmark = pytest.mark.dali
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_validation_batches_equal_pil_to_a_grey_level(varied_root: Path, shapes_root: Path, channels_last) -> None:
+    """Resize of the short side and centre crop, placed as torchvision places them: off by one pixel would fail."""
+    for root in (varied_root, shapes_root):
+        kwargs = dict(batch_size=64, crop_size=32, val_resize=36, channels_last=channels_last)
+        pil = next(iter(ImageFolderDataModule(str(root), workers=0, **kwargs).val_dataloader()))
+        images, targets = next(iter(_module(root, **kwargs).val_dataloader()))
+        assert images.dtype == torch.float32 and images.shape == pil[0].shape
+        assert images.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        assert targets.dtype == torch.int64 and torch.equal(targets, pil[1])
+        diff = levels(images, pil[0])
+        # Measured: at most 1 level (mean 0.13-0.2); libjpeg-turbo in both, two antialiased bilinear resizes.
+        assert diff.max() <= 2 and diff.mean() < 0.3, (root.name, diff.max(), diff.mean())
+
+
+def _pil_training_batch(
+    dm: ImageFolderDataModule, order: list[tuple[int, int]], size: int, shift: int = 0
+) -> torch.Tensor:
+    """The crops the DALI pipeline should cut, by PIL: ``crop_window`` from each sample's draws (moved ``shift``
+    pixels to the right), resize, flip."""
+    samples = dm.samples("train")
+    draws = crop_draws([seed for _, seed in order], dm.crop_scale)
+    mirrored = flips(draws)
+    out = []
+    for k, (index, _) in enumerate(order):
+        img = Image.open(samples[index][0]).convert("RGB")
+        box = crop_window(img.height, img.width, draws[k])
+        left = min(box.left + shift, img.width - box.width)
+        crop = img.crop((left, box.top, left + box.width, box.top + box.height))
+        pixels = torch.from_numpy(np.asarray(crop.resize((size, size), Image.BILINEAR)).copy()).permute(2, 0, 1)
+        out.append(pixels.flip(-1) if mirrored[k] else pixels)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("scale", [(0.08, 1.0), (0.9, 1.0)])
+def test_training_batches_are_the_drawn_crops(varied_root: Path, scale) -> None:
+    """Each sample's crop, flip and normalisation, against PIL applying the same window (the fallback included)."""
+    dm = _module(varied_root, batch_size=8, crop_scale=scale)
+    loader = dm.train_dataloader()
+    loader.sampler.set_epoch(2)
+    order = list(loader.sampler)
+    images = torch.cat([x for x, _ in loader])
+    diff = levels(images, _pil_training_batch(dm, order, 32))
+    # Measured on these noise images: mean 0.19 / 0.24 levels, 98% of values within 2 (when DALI's antialiasing
+    # filter shrinks a crop to half or less, it weighs neighbours slightly differently from PIL's).
+    assert diff.mean() < 0.4 and (diff <= 2).float().mean() > 0.97, (diff.mean(), diff.max())
+    # The bound tells crops apart: the same windows one pixel to the right are far off.
+    assert levels(images, _pil_training_batch(dm, order, 32, shift=1)).mean() > 10 * diff.mean()
+
+
+def test_the_pipeline_computes_crop_window(tmp_path: Path) -> None:
+    """The crop window computed by DALI operators equals ``crop_window``, for many sizes, the fallback included."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    from lit_imagenet.dali import _crop_window_nodes
+
+    rng = np.random.default_rng(1)
+    n = 512
+    shapes = np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n), np.full(n, 3)], 1).astype(np.float64)
+    shapes[:64, 0], shapes[:64, 1] = rng.integers(1, 6, 64), rng.integers(200, 900, 64)  # no try fits: the centre
+    draws = crop_draws(rng.integers(0, 2**62, n).tolist(), (0.08, 1.0))
+    draws[64:128, :10] = 0.95 + 0.05 * draws[64:128, :10]  # large areas: some tries fail before one fits
+
+    @pipeline_def(batch_size=n, num_threads=1, device_id=None)
+    def pipeline():
+        shape = fn.external_source(source=lambda: shapes, batch=True, dtype=types.FLOAT64)
+        draw = fn.external_source(source=lambda: draws, batch=True, dtype=types.FLOAT64)
+        return _crop_window_nodes(shape, draw, CROP_RATIO)
+
+    pipe = pipeline()
+    pipe.build()
+    anchors, sizes = (np.asarray(out.as_tensor()) for out in pipe.run())
+    expected = [crop_window(int(h), int(w), d) for (h, w, _), d in zip(shapes, draws)]
+    assert [tuple(b) for b in expected] == [(a[1], a[0], s[1], s[0]) for a, s in zip(anchors, sizes)]
+    assert all(b.top == 0 and b.height == h for b, (h, _, _) in zip(expected[:64], shapes))
+
+
+def test_crop_window_follows_random_resized_crop() -> None:
+    """Area within crop_scale, aspect ratio within (3/4, 4/3), inside the image; else the centred fallback."""
+    draws = crop_draws(list(range(2000)), (0.2, 0.7))
+    tops, areas = [], []
+    for d in draws:
+        box = crop_window(300, 400, d)
+        assert 0 <= box.top and box.top + box.height <= 300 and 0 <= box.left and box.left + box.width <= 400
+        assert 0.2 * 0.95 <= box.height * box.width / 120_000 <= 0.7 * 1.05
+        assert 3 / 4 * 0.95 <= box.width / box.height <= 4 / 3 * 1.05
+        tops.append(box.top / (300 - box.height + 1))
+        areas.append(box.height * box.width / 120_000)
+    assert abs(np.mean(tops) - 0.5) < 0.03 and abs(np.mean(areas) - 0.45) < 0.02  # uniform draws
+    assert 0.45 < flips(draws).mean() < 0.55
+    assert crop_window(20, 200, draws[0]) == (0, 86, 20, 27)  # nothing fits: the centre, at ratio 4/3
+
+
+def test_same_seed_same_batches_other_seed_or_epoch_other_crops(shapes_root: Path) -> None:
+    def epoch(seed: int, number: int) -> list[list[torch.Tensor]]:
+        loader = _module(shapes_root, seed=seed).train_dataloader()
+        loader.sampler.set_epoch(number)
+        return list(loader)
+
+    first, again = epoch(5, 0), epoch(5, 0)
+    assert len(first) == 4  # 24 images, batches of 6
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again))
+    for other in (epoch(6, 0), epoch(5, 1)):
+        assert not torch.equal(torch.cat([b[1] for b in other]), torch.cat([b[1] for b in first]))
+        assert not any(torch.equal(a[0], b[0]) for a, b in zip(first, other))
+
+
+def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path) -> None:
+    whole = _module(shapes_root).train_dataloader()
+    whole.sampler.set_epoch(1)
+    expected = list(whole)
+    resumed = _module(shapes_root).train_dataloader()
+    resumed.sampler.resume_at(1, 2 * 6)  # two batches of epoch 1 were trained before the run stopped
+    rest = list(resumed)
+    assert len(rest) == len(expected) - 2
+    for (x, y), (ex, ey) in zip(rest, expected[2:]):
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    assert len(list(resumed)) == len(expected)  # only the first pass skips
+
+
+@pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated", "half"])
+def test_an_undecodable_image_is_named(shapes_root: Path, tmp_path: Path, content) -> None:
+    root = tmp_path / "data"
+    shutil.copytree(shapes_root, root)
+    victim = sorted((root / "train").rglob("*.jpg"))[13]
+    data = victim.read_bytes()
+    victim.write_bytes({"truncated": data[:200], "half": data[: len(data) // 2]}.get(content, content))
+    with pytest.raises(DataError, match=f"^Cannot decode image {victim} .*replace or remove the file"):
+        for _ in _module(root, batch_size=4).train_dataloader():
+            pass
+
+
+def test_png_grayscale_cmyk_and_other_formats_train(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            folder = tmp_path / split / name
+            folder.mkdir(parents=True)
+            img = Image.fromarray(rng.integers(0, 256, (40, 50, 3), dtype=np.uint8))
+            img.save(folder / "rgb.png")
+            img.convert("L").save(folder / "gray.jpg", quality=95)
+            img.convert("CMYK").save(folder / "cmyk.jpg", quality=95)
+            img.convert("P").save(folder / "palette.png")
+            img.convert("RGBA").save(folder / "alpha.png")
+            img.save(folder / "lossless.webp", lossless=True)
+            img.save(folder / "bitmap.bmp")
+    kwargs = dict(batch_size=14, crop_size=32, val_resize=36)
+    pil = next(iter(ImageFolderDataModule(str(tmp_path), workers=0, **kwargs).val_dataloader()))
+    images, _ = next(iter(_module(tmp_path, **kwargs).val_dataloader()))
+    assert levels(images, pil[0]).amax(dim=(1, 2, 3)).max() <= 1  # measured: 1 for each of the 7 formats
+    (train,) = list(_module(tmp_path, **kwargs).train_dataloader())
+    assert train[0].shape == (14, 3, 32, 32) and torch.isfinite(train[0]).all()
+
+
+@pytest.fixture(scope="module")
+def one_per_class(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """14 classes of one image each: a batch's labels tell which files were read."""
+    root = tmp_path_factory.mktemp("one_per_class")
+    for split in ("train", "val"):
+        for c in range(14):
+            (root / split / f"c{c:02d}").mkdir(parents=True)
+            Image.new("RGB", (20, 16), (c * 15, 0, 0)).save(root / split / f"c{c:02d}" / "x.jpg")
+    return root
+
+
+def test_two_processes_read_disjoint_shards_of_every_file(one_per_class: Path) -> None:
+    dm = _module(one_per_class, batch_size=4, crop_size=16, val_resize=16)
+    samples = {split: dm.samples(split) for split in ("train", "val")}
+    seen = {"train": [], "val": []}
+    for rank in (0, 1):
+        train = EpochSeededSampler(samples["train"], seed=3, num_replicas=2, rank=rank)
+        val = UnpaddedDistributedSampler(samples["val"], 2, rank)
+        for split, sampler, is_train in (("train", train, True), ("val", val, False)):
+            loader = DALILoader(samples[split], 4, is_train, 16, 16, (0.08, 1.0), 1, sampler=sampler)
+            labels = [int(label) for _, batch_labels in loader for label in batch_labels]
+            assert len(labels) == 7 and len(loader) == 2  # batches of 4 and 3
+            seen[split].append(set(labels))
+    for split in ("train", "val"):
+        assert not seen[split][0] & seen[split][1] and seen[split][0] | seen[split][1] == set(range(14))
+
+
+def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: Path, tmp_path: Path) -> None:
+    """As tests/test_resume.py, with DALI: 24 images in batches of 8, 3 steps an epoch, killed inside an epoch."""
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return fit_args(
+            shapes_root, out, "--data.decoder", "dali", "--trainer.max_epochs", "2", "--trainer.deterministic",
+            "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "1",
+            "--trainer.limit_val_batches", "1", *extra,
+            batch_size=8, workers=2,
+        )  # fmt: skip
+
+    whole = tmp_path / "whole"
+    proc = _start(args(whole), tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+
+    cut = tmp_path / "cut"
+    killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step % 3 != 0, timeout=300)
+
+    proc = _start(args(cut, "--ckpt_path", "last"), tmp_path)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and "Resuming from" in out, out[-3000:]
+    final_whole, final_cut = _network(_final(whole)), _network(_final(cut))
+    assert torch.load(_final(cut), weights_only=True)["global_step"] == 6
+    different = [k for k in final_whole if not torch.equal(final_whole[k], final_cut[k])]
+    assert final_whole.keys() == final_cut.keys() and not different, (killed_at, different[:5])
+
+
+def test_workers_are_dali_threads_and_the_loader_has_a_length(shapes_root: Path) -> None:
+    loader = _module(shapes_root, workers=3, batch_size=5).train_dataloader()
+    assert isinstance(loader, DALILoader) and loader.threads == 3 and len(loader) == 5 and loader.batch_size == 5
+    assert _module(shapes_root, workers=0).val_dataloader().threads == 1
+
+
+def test_predict_batches_carry_the_sample_indices(shapes_root: Path) -> None:
+    dm = ImageFolderDataModule(predict_root=str(shapes_root / "val"), batch_size=4, workers=1, crop_size=32,
+                               val_resize=36, decoder="dali")  # fmt: skip
+    batches = list(dm.predict_dataloader())
+    assert torch.equal(torch.cat([index for _, index in batches]), torch.arange(15))
+    pil = ImageFolderDataModule(predict_root=str(shapes_root / "val"), batch_size=15, workers=0, crop_size=32,
+                                val_resize=36)  # fmt: skip
+    assert levels(torch.cat([x for x, _ in batches]), next(iter(pil.predict_dataloader()))[0]).max() <= 1
+
+
+def test_batches_are_float16_for_16_bit_precisions() -> None:
+    assert batch_dtype("16-mixed") == batch_dtype("16-true") == torch.float16
+    assert batch_dtype("32-true") == batch_dtype("bf16-mixed") == batch_dtype(None) == torch.float32
+
+
+def test_float16_batches_equal_float32_ones_rounded(shapes_root: Path) -> None:
+    loader = _module(shapes_root).val_dataloader()
+    full = next(iter(loader))[0]
+    loader.dtype = torch.float16
+    half = next(iter(loader))[0]
+    assert half.dtype == torch.float16 and torch.equal(half, full.half())
+
+
+def test_a_missing_dali_names_the_install_command(shapes_root: Path, monkeypatch, capsys) -> None:
+    from lit_imagenet.cli import main
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # import nvidia.dali now raises ImportError
+    with pytest.raises(ConfigError, match=r"needs NVIDIA DALI, which is not installed; run pip install 'lit_"):
+        _module(shapes_root)
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--data.root", str(shapes_root), "--data.decoder", "dali", "--trainer.accelerator", "cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"error: --data.decoder dali needs NVIDIA DALI, which is not installed; run {dali_install_command()} "
+        "or choose another --data.decoder."
+    )
+    assert choose_decoder(on_cuda=True)[0] == "nvjpeg"
+
+
+def test_install_command_matches_the_torch_cuda_version(monkeypatch) -> None:
+    for cuda, extra in (("13.0", "dali-cuda130"), ("12.8", "dali-cuda120"), (None, "dali-cuda130")):
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        assert dali_install_command() == f"pip install 'lit_imagenet[{extra}]'"
+
+
+def test_auto_picks_dali_on_cuda_else_pil_and_says_why(shapes_root: Path, tmp_path: Path, caplog) -> None:
+    import nvidia.dali
+
+    assert choose_decoder(on_cuda=True) == (
+        "dali", f"the run is on CUDA and NVIDIA DALI {nvidia.dali.__version__} is installed"
+    )  # fmt: skip
+    assert choose_decoder(on_cuda=False) == ("pil", "the run is not on a CUDA device")
+    dm = _module(shapes_root, decoder="auto")
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=1, limit_val_batches=1,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    from lit_imagenet import ImageClassifier
+
+    with caplog.at_level("INFO"):
+        trainer.fit(ImageClassifier("resnet18", num_classes=3), dm)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decoder:")]
+    assert lines == ["Decoder: pil (--data.decoder auto: the run is not on a CUDA device)."]
+    assert type(trainer.train_dataloader).__name__ == "PrefetchLoader"
+
+
+def test_importing_the_package_does_not_import_dali() -> None:
+    code = "import sys, lit_imagenet, lit_imagenet.data, lit_imagenet.cli; print('nvidia.dali' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, check=True)  # fmt: skip
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["16-mixed", "32-true"])
+def test_mixed_decoder_batches_on_the_gpu_and_a_short_fit(learnable_root: Path, tmp_path: Path, precision) -> None:
+    """On CUDA: the ``mixed`` decoder's batches reach the model on the device, in the training dtype, channels_last,
+    not normalised twice (equal to the CPU pipeline's to a few levels), and a short fit learns."""
+    from lit_imagenet import ImageClassifier
+
+    dm = ImageFolderDataModule(str(learnable_root), batch_size=16, workers=4, crop_size=32, val_resize=36,
+                               decoder="dali", seed=1)  # fmt: skip
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.4, warmup_epochs=0, milestones=[6])
+    seen: dict = {}
+
+    class Check(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            images = batch[0]
+            seen.setdefault("train", (images.device.type, images.dtype,
+                                      images.is_contiguous(memory_format=torch.channels_last)))  # fmt: skip
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            seen.setdefault("val", (batch[0].detach().float().cpu(), batch[1].cpu()))
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="gpu", devices=1, precision=precision, max_epochs=6,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         callbacks=[Check()])  # fmt: skip
+    trainer.fit(model, dm)
+    dtype = torch.float16 if precision == "16-mixed" else torch.float32
+    assert seen["train"] == ("cuda", dtype, True)
+    assert type(trainer.train_dataloader).__name__ == "DALILoader" and trainer.train_dataloader.device.type == "cuda"
+    cpu_dm = ImageFolderDataModule(str(learnable_root), batch_size=16, workers=2, crop_size=32, val_resize=36,
+                                   decoder="dali")  # fmt: skip
+    cpu_images, cpu_targets = next(iter(cpu_dm.val_dataloader()))
+    gpu_images, gpu_targets = seen["val"]
+    assert torch.equal(gpu_targets, cpu_targets)
+    # nvJPEG and libjpeg-turbo differ by about a grey level on average; normalising twice would be far off.
+    assert ((gpu_images - cpu_images) * STD_255).abs().mean() < 3
+    assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
+    assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
