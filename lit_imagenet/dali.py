@@ -97,12 +97,19 @@ def batch_dtype(precision: str | None) -> torch.dtype:
     return torch.float16 if str(precision).startswith("16") else torch.float32
 
 
-def crop_draws(seeds: Sequence[int], scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
+def crop_draws(
+    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
+) -> np.ndarray:
     """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed.
 
     Returns a float64 ``(N, 23)`` array: ten area fractions drawn from ``scale``, ten aspect ratios
     drawn log-uniformly from ``ratio``, then uniform numbers in [0, 1) for the top and left of the crop
     and for the flip (mirrored when below 0.5).
+
+    Args:
+        seeds: The samples' augmentation seeds (``EpochSeededSampler``'s).
+        scale: Range of the crop's area, as a fraction of the image.
+        ratio: Range of the crop's aspect ratio (width / height).
     """
     seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
     steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
@@ -125,6 +132,12 @@ def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, 
 
     RandomResizedCrop's rule: the first of the tries whose box fits in the image, placed at random;
     when none fits, the largest centred box with an aspect ratio in ``ratio``.
+
+    Args:
+        height: Image height in pixels.
+        width: Image width in pixels.
+        draws: One row of ``crop_draws``.
+        ratio: The aspect ratio range the draws were made for.
     """
     area = float(height) * float(width)
     for k in range(CROP_TRIES):
@@ -215,7 +228,7 @@ class _DrawSource:
         # The reader pads the last batch with its last sample and then starts over: the same here.
         start = (iteration % self.batches) * self.batch_size
         rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
-        draws = crop_draws(self.seeds[rows], self.scale)  # type: ignore[arg-type]
+        draws = crop_draws(self.seeds[rows], self.scale)
         return draws, flips(draws)
 
 
