@@ -37,7 +37,8 @@ def test_short_fit_lowers_the_loss(learnable_root: Path, tmp_path: Path) -> None
     dm = ImageFolderDataModule(
         str(learnable_root), batch_size=16, workers=0, crop_size=32, val_resize=36, crop_scale=(0.5, 1.0)
     )
-    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.4, warmup_epochs=0, class_names=dm.classes)
+    # 0.2 per 256 (0.0125 at batch 16): at 0.4 the run diverged with torch 2.14 (mean loss 1.81, then 2.50)
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.2, warmup_epochs=0, class_names=dm.classes)
     record = _Record()
     trainer = _trainer(tmp_path, max_epochs=4, callbacks=[record], num_sanity_val_steps=0)
     trainer.fit(model, dm)
