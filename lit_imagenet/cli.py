@@ -19,8 +19,11 @@ from typing_extensions import override
 from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
+    RequeueSignal,
     StepCheckpoint,
+    catch_requeue_signal,
     find_last_checkpoint,
+    requeue_slurm_job,
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.data import ImageFolderDataModule
@@ -234,6 +237,8 @@ def main(
         datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
             and ``num_classes``, and a ``channels_last`` argument.
     """
+    if run:
+        catch_requeue_signal()
     try:
         cli = ImageNetCLI(
             ImageClassifier,
@@ -251,6 +256,8 @@ def main(
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RequeueSignal:
+        sys.exit(requeue_slurm_job())
     except SIGTERMException:
         # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
         # wrapper script or scheduler that the run did not finish.
