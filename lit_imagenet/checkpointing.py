@@ -179,6 +179,26 @@ def use_atomic_checkpoint_io(trainer: pl.Trainer) -> None:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
 
+def torchrun_restart_problem() -> str | None:
+    """Why torchrun could not restart this run's workers after a failure, or ``None``.
+
+    torchrun's agents share their rendezvous store with the workers (PyTorch 2.5 and later), and the
+    store keeps the addresses of the group it started first; with several agents (nodes) the group
+    they restart reads those and cannot connect (``Connection refused``), until ``--max-restarts``
+    runs out. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each group a store of its own.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return None
+    nodes, restarts = int(env.get("GROUP_WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes < 2 or restarts < 1:
+        return None
+    return (
+        f"torchrun's workers share its rendezvous store, so the {nodes} nodes cannot restart them after a failure "
+        f"(--max-restarts {restarts}); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun."
+    )
+
+
 class StepCheckpoint(ModelCheckpoint):
     """Saves ``last-step.ckpt`` every ``every_n_train_steps`` optimizer steps, on SIGTERM and on SLURM's requeue signal.
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from lit_imagenet.checkpointing import (
     catch_requeue_signal,
     find_last_checkpoint,
     requeue_slurm_job,
+    torchrun_restart_problem,
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.data import ImageFolderDataModule
@@ -239,6 +241,9 @@ def main(
     """
     if run:
         catch_requeue_signal()
+        problem = torchrun_restart_problem()
+        if problem and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
         cli = ImageNetCLI(
             ImageClassifier,

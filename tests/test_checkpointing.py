@@ -221,3 +221,17 @@ def test_requeue_signal_mid_step_saves_after_that_step_and_requeues_the_job(
     momentum = [(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(
         whole["optimizer_states"][0]["state"].values(), cut["optimizer_states"][0]["state"].values())]  # fmt: skip
     assert momentum and all(torch.equal(a, b) for a, b in momentum)
+
+
+def test_torchrun_restarts_that_cannot_work_are_named(monkeypatch) -> None:
+    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2",
+                        "TORCHELASTIC_MAX_RESTARTS": "3"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    problem = checkpointing.torchrun_restart_problem()
+    assert problem and "--max-restarts 3" in problem and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert checkpointing.torchrun_restart_problem() is None
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one agent restarts its own group with no trouble
+    assert checkpointing.torchrun_restart_problem() is None
