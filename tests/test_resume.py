@@ -7,10 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from lit_imagenet.data import EpochSeededSampler
 from tests.cli_args import fit_args
+from tests.runs import differing, final_checkpoint, global_step
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,16 +28,6 @@ def _start(args: list[str], cwd: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
-def _network(ckpt: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
-    return {k: v for k, v in state.items() if k.startswith("model.")}
-
-
-def _final(root: Path) -> Path:
-    """The checkpoint with the most steps under ``root`` (a resumed run may write ``last-v1.ckpt``)."""
-    return max(root.rglob("*.ckpt"), key=lambda p: torch.load(p, map_location="cpu", weights_only=True)["global_step"])
-
-
 def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
     # 144 training images in batches of 6: 24 steps an epoch, 48 in all; the kill lands in epoch 0 or 1.
     whole = tmp_path / "whole"
@@ -53,10 +42,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_roo
     while proc.poll() is None and time.monotonic() < deadline:
         steps = list(cut.rglob("last-step.ckpt"))
         if steps:
-            try:
-                step = torch.load(steps[0], map_location="cpu", weights_only=True)["global_step"]
-            except Exception:  # being replaced this instant
-                step = 0
+            step = global_step(steps[0])
             if step >= 15:
                 proc.send_signal(signal.SIGKILL)
                 killed_at = step
@@ -71,10 +57,8 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_roo
     assert proc.returncode == 0, out[-3000:]
     assert "Resuming from" in out
 
-    final_whole, final_cut = _network(_final(whole)), _network(_final(cut))
-    assert torch.load(_final(cut), weights_only=True)["global_step"] == 48
-    assert final_whole.keys() == final_cut.keys()
-    different = [k for k in final_whole if not torch.equal(final_whole[k], final_cut[k])]
+    assert global_step(final_checkpoint(cut)) == 48
+    different = differing(final_checkpoint(whole), final_checkpoint(cut))
     assert not different, different[:5]
 
 
