@@ -230,3 +230,8 @@ def test_the_final_weights_equal_an_uninterrupted_runs(job: Job, uninterrupted_d
     assert global_step(final) == STEPS
     different = differing(final, uninterrupted_ddp)
     assert not different, different[:5]
+
+
+def test_the_docs_show_the_job_script_the_tests_submit() -> None:
+    docs = (REPO / "docs" / "long_runs.md").read_text()
+    assert f"```bash\n{JOB_SCRIPT.read_text()}```" in docs
