@@ -242,6 +242,19 @@ class StepCheckpoint(ModelCheckpoint):
             self._requeue = False
 
     @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # After a resume from the last step of an epoch Lightning does not count the next epoch as
+        # started, and keeps one short from then on: every checkpoint saved inside an epoch would look
+        # like one saved at its end, and a run resumed from it would do that epoch again from its start.
+        # Inside an epoch, one more epoch has been started than processed.
+        progress = trainer.fit_loop.epoch_progress
+        if progress.current.started <= progress.current.processed:
+            progress.increment_ready()
+            progress.increment_started()
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from lit_imagenet.cli import main
 from lit_imagenet.data import EpochSeededSampler
 from tests.cli_args import fit_args
 from tests.runs import differing, final_checkpoint, global_step
@@ -75,3 +76,32 @@ def test_sampler_resumes_mid_epoch_with_the_same_samples_and_seeds() -> None:
     other.set_epoch(5)
     assert [i for i, _ in other] != [i for i, _ in whole]
     assert len({s for _, s in whole}) == len(whole)
+
+
+def test_a_run_resumed_from_an_epochs_last_step_resumes_exactly_again(shapes_root: Path, tmp_path: Path) -> None:
+    """A resume from the last step of an epoch (saved before its validation), then a second one mid-epoch.
+
+    After the first resume Lightning does not count the next epoch as started, so the number of
+    started epochs lags behind; the second resume must still skip the batches done in that epoch.
+    """
+    # 24 training images in batches of 2: 12 steps an epoch, 24 in all
+    common = ("--data.batch_size", "2", "--trainer.deterministic", "true", "--seed_everything", "5",
+              "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "1")  # fmt: skip
+    main(fit_args(shapes_root, tmp_path / "whole", *common, "--step_checkpoint.every_n_train_steps", "12"))
+    whole = final_checkpoint(tmp_path / "whole")
+    assert global_step(whole) == 24
+    cut = tmp_path / "cut"
+    main(fit_args(shapes_root, cut, *common, "--trainer.max_steps", "12",
+                  "--step_checkpoint.every_n_train_steps", "12"))  # fmt: skip
+    last_of_epoch = cut / "lightning_logs" / "version_0" / "checkpoints" / "last-step.ckpt"
+    assert global_step(last_of_epoch) == 12
+    main(fit_args(shapes_root, cut, *common, "--trainer.max_steps", "19", "--step_checkpoint.every_n_train_steps", "1",
+                  "--ckpt_path", str(last_of_epoch)))  # fmt: skip
+    mid_epoch = cut / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt"
+    assert global_step(mid_epoch) == 19
+    main(fit_args(shapes_root, cut, *common, "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path",
+                  str(mid_epoch)))  # fmt: skip
+    final = cut / "lightning_logs" / "version_2" / "checkpoints" / "last-step.ckpt"
+    assert global_step(final) == 24
+    different = differing(whole, final)
+    assert not different, different[:5]
