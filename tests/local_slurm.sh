@@ -14,6 +14,8 @@ set -euo pipefail
 
 dir=${LIT_IMAGENET_SLURM_DIR:-/var/tmp/lit_imagenet_slurm}
 conf=$dir/slurm.conf
+socket=$dir/munge/munge.socket
+host=$(hostname -s)
 export SLURM_CONF=$conf
 
 cannot() {
@@ -29,53 +31,9 @@ fail() {
     exit 1
 }
 
-up() {
-    [ -f "$conf" ] && scontrol ping 2>/dev/null | grep -q "is UP" \
-        && sinfo -h -o %T 2>/dev/null | grep -Eq '^(idle|mixed|allocated|completing)'
-}
-
-if command -v scontrol >/dev/null && up; then
-    echo "$conf"
-    exit 0
-fi
-
-[ "$(id -u)" = 0 ] || cannot "a local SLURM cluster needs root to install and start its daemons (this is uid $(id -u))"
-
-if ! command -v munged >/dev/null || ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-    || ! command -v sbatch >/dev/null; then
-    command -v apt-get >/dev/null \
-        || cannot "SLURM is not installed and there is no apt-get to install Debian's slurmctld, slurmd and munge"
-    mkdir -p "$dir"
-    # Debian's packages also start the daemons under systemd, with the distribution's configuration;
-    # they are not used here.
-    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        munge slurmctld slurmd slurm-client; } >"$dir/apt.log" 2>&1 \
-        || fail "apt-get could not install munge, slurmctld, slurmd and slurm-client (see $dir/apt.log)"
-fi
-
-mkdir -p "$dir/munge" "$dir/state" "$dir/spool"
-chmod 755 "$dir" "$dir/munge"  # munged refuses a socket folder that others cannot search
-if [ ! -s "$dir/munge/munge.key" ]; then
-    head -c 1024 /dev/urandom >"$dir/munge/munge.key"
-    chmod 400 "$dir/munge/munge.key"
-fi
-socket=$dir/munge/munge.socket
-if ! munge -n -S "$socket" 2>/dev/null | unmunge -S "$socket" >/dev/null 2>&1; then
-    munged --force --socket="$socket" --key-file="$dir/munge/munge.key" --log-file="$dir/munge/munged.log" \
-        --pid-file="$dir/munge/munged.pid" --seed-file="$dir/munge/munged.seed" || fail "munged did not start"
-fi
-
-# Daemons of an earlier start that no longer answer: stop them, by their own pid files.
-for daemon in slurmctld slurmd; do
-    pid=$(cat "$dir/$daemon.pid" 2>/dev/null || true)
-    if [ -n "$pid" ] && grep -qs "$daemon" "/proc/$pid/cmdline"; then
-        kill "$pid" 2>/dev/null || true
-        for _ in $(seq 50); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
-    fi
-done
-
-host=$(hostname -s)
-cat >"$conf" <<EOF
+# The configuration, written anew whenever the daemons are (re)started.
+config() {
+    cat <<EOF
 # Written by tests/local_slurm.sh: one machine, reached on 127.0.0.1.
 ClusterName=lit-imagenet
 SlurmctldHost=$host(127.0.0.1)
@@ -86,7 +44,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # cred_expire is also how long a requeued job waits before it may start again (120 s by default).
-AuthInfo=socket=$socket,cred_expire=10
+AuthInfo=socket=$socket,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -115,6 +73,54 @@ SlurmdParameters=config_overrides
 NodeName=$host NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=cpu Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+}
+
+up() {  # running, with this configuration
+    [ -f "$conf" ] && [ "$(config)" = "$(cat "$conf")" ] && scontrol ping 2>/dev/null | grep -q "is UP" \
+        && sinfo -h -o %T 2>/dev/null | grep -Eq '^(idle|mixed|allocated|completing)'
+}
+
+if command -v scontrol >/dev/null && up; then
+    echo "$conf"
+    exit 0
+fi
+
+[ "$(id -u)" = 0 ] || cannot "a local SLURM cluster needs root to install and start its daemons (this is uid $(id -u))"
+
+if ! command -v munged >/dev/null || ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
+    || ! command -v sbatch >/dev/null; then
+    command -v apt-get >/dev/null \
+        || cannot "SLURM is not installed and there is no apt-get to install Debian's slurmctld, slurmd and munge"
+    mkdir -p "$dir"
+    # Debian's packages also start the daemons under systemd, with the distribution's configuration;
+    # they are not used here.
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        munge slurmctld slurmd slurm-client; } >"$dir/apt.log" 2>&1 \
+        || fail "apt-get could not install munge, slurmctld, slurmd and slurm-client (see $dir/apt.log)"
+fi
+
+mkdir -p "$dir/munge" "$dir/state" "$dir/spool"
+chmod 755 "$dir" "$dir/munge"  # munged refuses a socket folder that others cannot search
+if [ ! -s "$dir/munge/munge.key" ]; then
+    head -c 1024 /dev/urandom >"$dir/munge/munge.key"
+    chmod 400 "$dir/munge/munge.key"
+fi
+if ! munge -n -S "$socket" 2>/dev/null | unmunge -S "$socket" >/dev/null 2>&1; then
+    munged --force --socket="$socket" --key-file="$dir/munge/munge.key" --log-file="$dir/munge/munged.log" \
+        --pid-file="$dir/munge/munged.pid" --seed-file="$dir/munge/munged.seed" || fail "munged did not start"
+fi
+
+# Daemons of an earlier start that no longer answer, or have another configuration: stop them, by their
+# own pid files.
+for daemon in slurmctld slurmd; do
+    pid=$(cat "$dir/$daemon.pid" 2>/dev/null || true)
+    if [ -n "$pid" ] && grep -qs "$daemon" "/proc/$pid/cmdline"; then
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 50); do [ -e "/proc/$pid" ] || break; sleep 0.1; done
+    fi
+done
+
+config >"$conf"
 
 slurmctld -c -f "$conf" || fail "slurmctld did not start"
 slurmd -f "$conf" || fail "slurmd did not start"

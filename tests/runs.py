@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -146,7 +147,7 @@ class BackgroundRun:
         if self.proc is None:
             with (self.out / "run.log").open("w") as log:
                 self.proc = subprocess.Popen([sys.executable, *self.args], cwd=REPO, env=run_env(), stdout=log,
-                                             stderr=subprocess.STDOUT)  # fmt: skip
+                                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
     def final(self) -> Path:
         """Its final checkpoint, once it has ended (starting it if need be)."""
@@ -157,6 +158,7 @@ class BackgroundRun:
         return final
 
     def stop(self) -> None:
+        """Ends it, the process that Lightning started for rank 1 included."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()

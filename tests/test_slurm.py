@@ -158,7 +158,7 @@ def job(
             assert fields["JobState"] not in ENDED, f"job {job} {fields['JobState']} before a requeue:\n{_tails(out)}"
             assert time.monotonic() < deadline, f"job {job} was not requeued within 120 s:\n{_tails(out)}"
             time.sleep(0.1)
-        # Back to the long limit before the requeued job starts (SLURM holds it for cred_expire, 10 s).
+        # Back to the long limit before the requeued job starts (SLURM holds it for cred_expire, 5 s).
         _slurm(env, "scontrol", "update", f"JobId={job}", f"TimeLimit={LONG_LIMIT}")
         restarts = int(fields["Restarts"])
         signal_step = newest_step(out)

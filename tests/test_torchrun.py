@@ -56,7 +56,9 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_checkpoi
         for agent in agents:
             agent.wait(timeout=500)
     finally:
-        for agent in agents:
+        for agent in agents:  # the workers too, which torchrun starts in sessions of their own
+            for pid in child_pids(agent.pid):
+                os.kill(pid, signal.SIGKILL)
             agent.kill()
     text = [log.read_text() for log in logs]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(t[-3000:] for t in text)
