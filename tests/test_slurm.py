@@ -78,13 +78,16 @@ def _controller_log(env: dict[str, str]) -> Path:
     return Path(re.search(r"^SlurmctldLogFile=(\S+)", conf, re.MULTILINE).group(1))
 
 
-def _last_time_limit_check(log: Path) -> float:
-    """When the controller last looked at the jobs' time limits (its debug2 line), in seconds since the epoch."""
-    with log.open("rb") as f:
+def _controller_tail(env: dict[str, str]) -> str:
+    with _controller_log(env).open("rb") as f:
         f.seek(max(0, f.seek(0, 2) - 200_000))
-        tail = f.read().decode(errors="replace")
-    stamps = re.findall(r"^\[(\S+)\] debug2: Testing job time limits", tail, re.MULTILINE)
-    assert stamps, f"{log} shows no time-limit check; the cluster's SlurmctldDebug must be debug2"
+        return f.read().decode(errors="replace")
+
+
+def _last_time_limit_check(env: dict[str, str]) -> float:
+    """When the controller last looked at the jobs' time limits (its debug2 line), in seconds since the epoch."""
+    stamps = re.findall(r"^\[(\S+)\] debug2: Testing job time limits", _controller_tail(env), re.MULTILINE)
+    assert stamps, "the controller's log shows no time-limit check; the cluster's SlurmctldDebug must be debug2"
     return datetime.fromisoformat(stamps[-1]).timestamp()
 
 
@@ -142,7 +145,7 @@ def job(
         wait_for_step(out, 4, f"SLURM job {job}", alive=lambda: running(job))
         _slurm(env, "scontrol", "suspend", job)
         ran = int(_wait_state(env, job, ("SUSPENDED",), 30, out)["SecsPreSuspend"])
-        last_check = _last_time_limit_check(_controller_log(env))
+        last_check = _last_time_limit_check(env)
         resume_at = last_check + 29.5  # the next check comes 30 to 31 s after the last one
         while resume_at < time.time() + 0.2:
             resume_at += 30
@@ -152,14 +155,19 @@ def job(
         # limit is still at least 20 s away, time enough to save and requeue.
         minutes = (ran + SIGNAL_SECONDS + 30) // 60
         _slurm(env, "scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
+        sent = f"warning signal {int(signal.SIGUSR1)} to JobId={job}\n"
+        deadline = time.monotonic() + 45
+        while sent not in _controller_tail(env):
+            assert time.monotonic() < deadline, f"SLURM sent no SIGUSR1 to job {job} within 45 s:\n{_tails(out)}"
+            time.sleep(0.1)
+        # Sent: back to the long limit, so that the job is not signalled again while it starts once requeued.
+        _slurm(env, "scontrol", "update", f"JobId={job}", f"TimeLimit={LONG_LIMIT}")
 
         deadline = time.monotonic() + 120
         while int((fields := _job(env, job)).get("Restarts", 0)) < 1:
             assert fields["JobState"] not in ENDED, f"job {job} {fields['JobState']} before a requeue:\n{_tails(out)}"
             assert time.monotonic() < deadline, f"job {job} was not requeued within 120 s:\n{_tails(out)}"
             time.sleep(0.1)
-        # Back to the long limit before the requeued job starts (SLURM holds it for cred_expire, 5 s).
-        _slurm(env, "scontrol", "update", f"JobId={job}", f"TimeLimit={LONG_LIMIT}")
         restarts = int(fields["Restarts"])
         signal_step = newest_step(out)
 

@@ -8,6 +8,7 @@ and the run ends with the weights of an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,7 +59,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_checkpoi
     finally:
         for agent in agents:  # the workers too, which torchrun starts in sessions of their own
             for pid in child_pids(agent.pid):
-                os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             agent.kill()
     text = [log.read_text() for log in logs]
     assert [a.returncode for a in agents] == [0, 0], "\n".join(t[-3000:] for t in text)
