@@ -6,6 +6,14 @@ previous checkpoint intact. ``StepCheckpoint`` saves ``last-step.ckpt`` every N 
 when the process receives SIGTERM (Lightning turns SIGTERM into ``SIGTERMException`` at the end of
 the current batch; this callback saves before the process exits). ``--ckpt_path last`` picks the
 newest ``last*.ckpt`` of a run; ``find_last_checkpoint`` extends that to every version of the logs.
+
+Under SLURM, ``catch_requeue_signal`` takes the requeue signal (SIGUSR1, sent ``--signal`` seconds
+before the time limit) in place of Lightning's handler, which saved ``hpc_ckpt_N.ckpt`` from inside
+the signal handler, wherever the step happened to be: after the forward pass had updated the
+batch-norm statistics but before the optimizer step, say, so that a run resumed from it was not the
+run it continued. Here the signal only sets a flag; ``StepCheckpoint`` stops every process after the
+same training step, saves ``last-step.ckpt`` there, and ``requeue_slurm_job`` puts the job back in
+the queue, whose next start resumes from it with ``--ckpt_path last``.
 """
 
 from __future__ import annotations
@@ -13,14 +21,18 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.environments import SLURMEnvironment
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.utilities import rank_zero_info
@@ -34,6 +46,69 @@ from lit_imagenet.ddp import DelayedMax
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the file, and the previous one is kept."""
+
+
+#: The signal SLURM sends ahead of the time limit with ``#SBATCH --signal=SIGUSR1@SECONDS`` (Lightning's default).
+REQUEUE_SIGNAL = signal.SIGUSR1
+_requeue_signalled = False
+
+
+class RequeueSignal(SIGTERMException):
+    """SLURM's requeue signal came: every process stops after the same training step, to save and requeue."""
+
+
+def _note_requeue_signal(signum: int, frame: FrameType | None) -> None:
+    global _requeue_signalled
+    _requeue_signalled = True
+
+
+def catch_requeue_signal() -> bool:
+    """Under SLURM, makes the requeue signal only set a flag from now on; ``StepCheckpoint`` acts on it.
+
+    Called when the command line starts, before the data is scanned and the model built, so a signal
+    that comes during start-up stops the run after its first step instead of killing the process.
+    Lightning, finding a handler in place, does not install its own. Returns whether it was installed.
+    """
+    if not SLURMEnvironment.detect() or threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
+    return True
+
+
+def _slurm_requeues(trainer: pl.Trainer) -> bool:
+    """Whether the run's cluster environment is SLURM's, requeueing on ``REQUEUE_SIGNAL`` (its defaults)."""
+    env = getattr(trainer.strategy, "cluster_environment", None)
+    if env is None:  # one process: its strategy does not show the environment, taken to be the default one
+        return True
+    return isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == REQUEUE_SIGNAL
+
+
+def requeue_slurm_job() -> int:
+    """Puts the SLURM job back in the queue (the first process does; the others only return); the exit status.
+
+    The job runs its script again when it restarts, and the script's ``--ckpt_path last`` resumes
+    from the checkpoint saved on the signal.
+    """
+    if os.environ.get("SLURM_PROCID", "0") != "0":
+        return 128 + REQUEUE_SIGNAL
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        reason = str(err)
+    else:
+        if done.returncode == 0:
+            print(f"Requeued SLURM job {job}; it resumes with --ckpt_path last when it starts again.", flush=True)
+            return 128 + REQUEUE_SIGNAL
+        reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
+    print(
+        f"error: scontrol requeue {job} failed ({reason}); the checkpoint is saved: submit the job script again "
+        "to resume from it.",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
 
 
 def _fsync_dir(folder: str) -> None:
@@ -110,15 +185,37 @@ def use_atomic_checkpoint_io(trainer: pl.Trainer) -> None:
         trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
 
+def torchrun_restart_problem() -> str | None:
+    """Why torchrun could not restart this run's workers after a failure, or ``None``.
+
+    torchrun's agents share their rendezvous store with the workers (PyTorch 2.5 and later), and the
+    store keeps the addresses of the group it started first; with several agents (nodes) the group
+    they restart reads those and cannot connect (``Connection refused``), until ``--max-restarts``
+    runs out. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each group a store of its own.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return None
+    nodes, restarts = int(env.get("GROUP_WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if nodes < 2 or restarts < 1:
+        return None
+    return (
+        f"torchrun's workers share its rendezvous store, so the {nodes} nodes cannot restart them after a failure "
+        f"(--max-restarts {restarts}); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node before torchrun."
+    )
+
+
 class StepCheckpoint(ModelCheckpoint):
-    """Saves ``last-step.ckpt`` every ``every_n_train_steps`` optimizer steps, and on SIGTERM.
+    """Saves ``last-step.ckpt`` every ``every_n_train_steps`` optimizer steps, on SIGTERM and on SLURM's requeue signal.
 
     The file is overwritten each time (it is the rolling "where was I" of a long run, next to the
     best and ``last`` checkpoints of the ``checkpoint`` callback); ``--ckpt_path last`` resumes from
-    whichever of them is newest, mid-epoch included.
+    whichever of them is newest, mid-epoch included. When ``catch_requeue_signal`` has taken the
+    requeue signal, every process asks after each optimizer step whether any of them has received
+    it (one all-reduce of a flag), so that all stop after the same step.
 
     Args:
-        every_n_train_steps: Save every this many optimizer steps; 0 saves only on SIGTERM.
+        every_n_train_steps: Save every this many optimizer steps; 0 saves only on a signal.
         save_on_sigterm: Save when the process gets SIGTERM (pre-emption, ``scancel``, a cluster's
             time limit) before it exits.
         dirpath: Folder of the checkpoint; ``None``: the ``checkpoints`` folder of the run's logs.
@@ -138,6 +235,42 @@ class StepCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.save_on_sigterm = save_on_sigterm
+        self._requeue = False
+        self._requeue_asked_at = -1
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._requeue = signal.getsignal(REQUEUE_SIGNAL) is _note_requeue_signal
+        if self._requeue and (stage != "fit" or not _slurm_requeues(trainer)):
+            # Not training, or auto-requeue turned off: the signal does what Lightning makes of it.
+            signal.signal(REQUEUE_SIGNAL, signal.SIG_DFL)
+            self._requeue = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # After a resume from the last step of an epoch Lightning does not count the next epoch as
+        # started, and keeps one short from then on: every checkpoint saved inside an epoch would look
+        # like one saved at its end, and a run resumed from it would do that epoch again from its start.
+        # Inside an epoch, one more epoch has been started than processed.
+        progress = trainer.fit_loop.epoch_progress
+        if progress.current.started <= progress.current.processed:
+            progress.increment_ready()
+            progress.increment_started()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Once per optimizer step (not between the batches it accumulates), on every process alike.
+        if not self._requeue or trainer.global_step == self._requeue_asked_at:
+            return
+        self._requeue_asked_at = trainer.global_step
+        if trainer.strategy.reduce_boolean_decision(_requeue_signalled, all=False):
+            raise RequeueSignal()
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -148,7 +281,8 @@ class StepCheckpoint(ModelCheckpoint):
         saved = last_checkpoint_saved(self)
         if saved is None or saved[1] != trainer.global_step:  # not saved at this very step already
             save_last_checkpoint(self, trainer)
-        rank_zero_info(f"SIGTERM: saved {self.last_model_path} at step {trainer.global_step}.")
+        cause = "Requeue signal" if isinstance(exception, RequeueSignal) else "SIGTERM"
+        rank_zero_info(f"{cause}: saved {self.last_model_path} at step {trainer.global_step}.")
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -20,9 +20,13 @@ from typing_extensions import override
 from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
+    RequeueSignal,
     SigtermConsensus,
     StepCheckpoint,
+    catch_requeue_signal,
     find_last_checkpoint,
+    requeue_slurm_job,
+    torchrun_restart_problem,
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.compat import untested_version_warning
@@ -262,6 +266,11 @@ def main(
     warning = untested_version_warning()
     if warning is not None:
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)
+    if run:
+        catch_requeue_signal()
+        problem = torchrun_restart_problem()
+        if problem and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
         cli = ImageNetCLI(
             ImageClassifier,
@@ -275,6 +284,8 @@ def main(
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except RequeueSignal:
+        sys.exit(requeue_slurm_job())
     except SIGTERMException:
         # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
         # wrapper script or scheduler that the run did not finish.

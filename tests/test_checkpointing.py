@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
+from lit_imagenet import checkpointing
 from lit_imagenet.checkpointing import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
 from tests.cli_args import fit_args as _fit_args
@@ -163,3 +164,74 @@ def test_step_checkpoint_writes_nothing_at_the_end_of_a_run(shapes_root: Path, t
     cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1"))
     folder = Path(cli.trainer.log_dir) / "checkpoints"
     assert (folder / "last.ckpt").is_file() and not (folder / "last-step.ckpt").exists()
+
+
+class SignalInStep(pl.Callback):
+    """Sends this process SLURM's requeue signal between the forward and the backward pass of step ``at``."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_requeue_signal_mid_step_saves_after_that_step_and_requeues_the_job(
+    shapes_root: Path, tmp_path: Path, monkeypatch, capsys, caplog
+) -> None:
+    """One SLURM task (its variables set by hand), and a fake ``scontrol`` that records its arguments."""
+    slurm = {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
+             "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NODELIST": "localhost"}  # fmt: skip
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol-calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(checkpointing, "_requeue_signalled", False)
+    common = ("--data.batch_size", "2", "--trainer.deterministic", "true", "--seed_everything", "3",
+              "--trainer.limit_val_batches", "0")  # fmt: skip
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        main(_fit_args(shapes_root, tmp_path / "whole", *common, "--trainer.max_steps", "4",
+                       "--step_checkpoint.every_n_train_steps", "4"))  # fmt: skip
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exc:
+            main(_fit_args(shapes_root, tmp_path / "cut", *common, "--trainer.max_steps", "12",
+                           "--trainer.callbacks+=tests.test_checkpointing.SignalInStep",
+                           "--trainer.callbacks.at", "3"))  # fmt: skip
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert exc.value.code == 128 + signal.SIGUSR1
+    assert calls.read_text() == "requeue 4242\n"
+    saved = next((tmp_path / "cut").rglob("last-step.ckpt"))
+    assert f"Requeue signal: saved {saved} at step 4." in caplog.text
+    assert "Requeued SLURM job 4242" in capsys.readouterr().out
+    # The weights, batch-norm statistics, momentum and schedule of an uninterrupted run after 4 steps: the
+    # signal came in the middle of step 4 (its forward pass had updated the batch-norm statistics), and the
+    # checkpoint waited for the step's end.
+    cut = torch.load(saved, weights_only=True)
+    whole = torch.load(next((tmp_path / "whole").rglob("last-step.ckpt")), weights_only=True)
+    assert cut["global_step"] == whole["global_step"] == 4
+    different = [k for k in whole["state_dict"] if not torch.equal(whole["state_dict"][k], cut["state_dict"][k])]
+    assert not different, different[:5]
+    assert cut["lr_schedulers"] == whole["lr_schedulers"]
+    momentum = [(a["momentum_buffer"], b["momentum_buffer"]) for a, b in zip(
+        whole["optimizer_states"][0]["state"].values(), cut["optimizer_states"][0]["state"].values())]  # fmt: skip
+    assert momentum and all(torch.equal(a, b) for a, b in momentum)
+
+
+def test_torchrun_restarts_that_cannot_work_are_named(monkeypatch) -> None:
+    for name, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "GROUP_WORLD_SIZE": "2",
+                        "TORCHELASTIC_MAX_RESTARTS": "3"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    problem = checkpointing.torchrun_restart_problem()
+    assert problem and "--max-restarts 3" in problem and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert checkpointing.torchrun_restart_problem() is None
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one agent restarts its own group with no trouble
+    assert checkpointing.torchrun_restart_problem() is None

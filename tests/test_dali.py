@@ -26,7 +26,8 @@ from lit_imagenet.data import DataError, EpochSeededSampler, ImageFolderDataModu
 from lit_imagenet.errors import ConfigError
 from lit_imagenet.prefetch import IMAGENET_STD, Uint8Normalize
 from tests.cli_args import fit_args
-from tests.test_resume import _final, _network, _start, kill_when
+from tests.runs import final_checkpoint, network
+from tests.test_resume import _start, kill_when
 
 STD_255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 SIZES = [(40, 50), (61, 37), (120, 45), (45, 120), (33, 33), (200, 20), (57, 43), (64, 64)]  # (width, height)
@@ -265,8 +266,8 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
     proc = _start(args(cut, "--ckpt_path", "last"), tmp_path)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "Resuming from" in out, out[-3000:]
-    final_whole, final_cut = _network(_final(whole)), _network(_final(cut))
-    assert torch.load(_final(cut), weights_only=True)["global_step"] == 6
+    final_whole, final_cut = network(final_checkpoint(whole)), network(final_checkpoint(cut))
+    assert torch.load(final_checkpoint(cut), weights_only=True)["global_step"] == 6
     different = [k for k in final_whole if not torch.equal(final_whole[k], final_cut[k])]
     assert final_whole.keys() == final_cut.keys() and not different, (killed_at, different[:5])
 

@@ -1,0 +1,164 @@
+"""``train.py`` runs in subprocesses, and their checkpoints read back.
+
+The cluster tests interrupt one run (SLURM's requeue and ``scancel``, torchrun's restarts): the job
+script's own ``train.py`` command (``scripts/slurm_cpu.sbatch``) with the flags of ``run_flags``
+after it: two processes, DDP over gloo on CPU, deterministic, a step checkpoint every 4 steps.
+``uninterrupted_ddp`` (conftest) makes it once without interruption.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tests.cli_args import fit_args
+
+REPO = Path(__file__).resolve().parents[1]
+JOB_SCRIPT = REPO / "scripts" / "slurm_cpu.sbatch"
+#: 144 training images in batches of 6 on each of 2 processes: 12 steps an epoch, 8 epochs.
+STEPS = 96
+
+
+def job_script_flags() -> list[str]:
+    """The flags of the job script's ``srun python train.py`` line, from ``fit`` on, without its ``"$@"``."""
+    text = JOB_SCRIPT.read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith("srun "))
+    words = shlex.split(line)
+    flags = words[words.index("train.py") + 1 :]
+    assert flags[-1] == "$@", f"the srun line of {JOB_SCRIPT} should pass on the script's arguments last"
+    return flags[:-1]
+
+
+def run_flags(root: Path, out: Path) -> list[str]:
+    """What the tests add after the job script's flags: the tiny data and model, the seeds, the steps."""
+    return fit_args(
+        root, out, "--model.arch", "shufflenet_v2_x0_5", "--trainer.max_epochs", str(STEPS // 12),
+        "--trainer.deterministic", "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "4",
+        "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "4", "--curves.enabled", "false",
+        batch_size=6,
+    )[1:]  # fmt: skip
+
+
+def run_env(**extra: str) -> dict[str, str]:
+    """This environment with ``python`` the test's interpreter, the repository importable, no job's variables,
+    and one thread per process.
+
+    A test run inside a SLURM job or under torchrun would otherwise hand that job's ranks to its runs.
+    Lightning gives each process the cores divided by the processes of its node, and the sums of a
+    convolution's gradient come out differently rounded with another number of threads: two nodes of
+    one process (torchrun) would not end with the weights of one node of two.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["OMP_NUM_THREADS"] = "1"
+    return {**env, **extra}
+
+
+def network(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The network's parameters and buffers in a checkpoint."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.startswith("model.")}
+
+
+def global_step(ckpt: Path) -> int:
+    """The checkpoint's optimizer step; -1 while it is being replaced."""
+    try:
+        return torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    except Exception:  # noqa: BLE001  (renamed over this instant, or not there yet)
+        return -1
+
+
+def final_checkpoint(root: Path) -> Path:
+    """The checkpoint with the most steps under ``root`` (a resumed run may write ``last-v1.ckpt``)."""
+    return max(root.rglob("*.ckpt"), key=global_step)
+
+
+def newest_step(root: Path) -> int:
+    """The step of the newest ``last-step.ckpt`` under ``root`` (-1 when there is none)."""
+    found = list(root.rglob("last-step.ckpt"))
+    if not found:
+        return -1
+    return global_step(max(found, key=lambda p: p.stat().st_mtime_ns))
+
+
+def wait_for_step(root: Path, step: int, what: str, timeout: float = 240.0, alive=None) -> int:
+    """Waits until a ``last-step.ckpt`` under ``root`` holds at least ``step`` steps; its step."""
+    deadline = time.monotonic() + timeout
+    while (seen := newest_step(root)) < step:
+        assert alive is None or alive(), f"{what} ended before step {step} (last step checkpoint: {seen})"
+        assert time.monotonic() < deadline, f"{what}: no step checkpoint of step {step} after {timeout:.0f} s"
+        time.sleep(0.05)
+    return seen
+
+
+def differing(a: Path, b: Path) -> list[str]:
+    """Names of the network tensors that differ between two checkpoints (all of them if the names differ)."""
+    first, second = network(a), network(b)
+    if first.keys() != second.keys():
+        return sorted(first.keys() ^ second.keys())
+    return [k for k in first if not torch.equal(first[k], second[k])]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(parent: int) -> list[int]:
+    """Processes whose parent is ``parent``, from ``/proc``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def resumed_from(log: str) -> list[str]:
+    """The checkpoints that the runs of a log resumed from (the CLI's ``Resuming from PATH`` lines)."""
+    return re.findall(r"^Resuming from (\S+)$", log, re.MULTILINE)
+
+
+class BackgroundRun:
+    """A ``train.py`` run in a subprocess, started when first asked for, so that it can use idle cores."""
+
+    def __init__(self, args: list[str], out: Path) -> None:
+        self.args, self.out, self.proc = args, out, None
+
+    def start(self) -> None:
+        if self.proc is None:
+            with (self.out / "run.log").open("w") as log:
+                self.proc = subprocess.Popen([sys.executable, *self.args], cwd=REPO, env=run_env(), stdout=log,
+                                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def final(self) -> Path:
+        """Its final checkpoint, once it has ended (starting it if need be)."""
+        self.start()
+        assert self.proc.wait(timeout=600) == 0, (self.out / "run.log").read_text()[-3000:]
+        final = final_checkpoint(self.out)
+        assert global_step(final) == STEPS
+        return final
+
+    def stop(self) -> None:
+        """Ends it, the process that Lightning started for rank 1 included."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
