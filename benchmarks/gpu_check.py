@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import importlib.util
 import json
 import shlex
@@ -43,6 +44,19 @@ def _commit() -> str:
 
     commit = git("rev-parse", "HEAD") or "unknown"
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def tree_digest(root: Path = REPO) -> str:
+    """SHA-256 of the files that make a run (package, tests, configs, benchmarks, train.py): it names the code that
+    ran also where the checkout arrived as files without its git history."""
+    digest = hashlib.sha256()
+    files = [root / "train.py", root / "setup.cfg"]
+    for folder in ("lit_imagenet", "tests", "configs", "benchmarks"):
+        files += [f for f in (root / folder).rglob("*") if f.suffix in (".py", ".yaml", ".sh", ".cfg")]
+    for f in sorted(set(files)):
+        if f.is_file() and "__pycache__" not in f.parts:
+            digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _machine() -> dict[str, Any]:
@@ -130,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         ["dali"] if importlib.util.find_spec("nvidia.dali") else []
     )
     record = json.loads(args.record.read_text()) if args.record.is_file() else {"parts": {}}
-    record.update(commit=_commit(), machine=_machine())
+    record.update(commit=_commit(), tree_sha256=tree_digest(), machine=_machine())
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
         if part == "tests":
@@ -139,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_bench(args.out, decoders, args.extra)
         failed = sum(not r["ok"] for r in rows)
         now = datetime.datetime.now().isoformat(timespec="seconds")
-        record["parts"][part] = {"commit": record["commit"], "date": now, "passed": len(rows) - failed,
+        record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
+                                 "passed": len(rows) - failed,
                                  "failed": failed, "rows": rows}  # fmt: skip
         if part == "tests" and args.pytest_args:
             record["parts"][part]["pytest_args"] = args.pytest_args
