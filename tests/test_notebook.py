@@ -15,7 +15,7 @@ def test_finetune_notebook_runs_and_reaches_its_accuracy(tmp_path: Path, monkeyp
     # The kernel is started with this interpreter (jupyter_client swaps it in for "python") and in tmp_path.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(REPO / "notebooks" / "finetune.ipynb", as_version=4)
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     result = json.loads((tmp_path / "data" / "nb_result.json").read_text())
     printed = "".join(o.get("text", "") for o in nb.cells[-1].outputs)
     assert f"Validation top-1 after fine-tuning: {result['val_top1']:.3f}" in printed
