@@ -85,9 +85,14 @@ def _controller_tail(env: dict[str, str]) -> str:
 
 
 def _last_time_limit_check(env: dict[str, str]) -> float:
-    """When the controller last looked at the jobs' time limits (its debug2 line), in seconds since the epoch."""
-    stamps = re.findall(r"^\[(\S+)\] debug2: Testing job time limits", _controller_tail(env), re.MULTILINE)
-    assert stamps, "the controller's log shows no time-limit check; the cluster's SlurmctldDebug must be debug2"
+    """When the controller last looked at the jobs' time limits (its debug2 line), in seconds since the epoch.
+
+    A controller started less than 30 s ago has not looked yet: this waits for its first look.
+    """
+    deadline = time.monotonic() + 45
+    while not (stamps := re.findall(r"^\[(\S+)\] debug2: Testing job time limits", _controller_tail(env), re.M)):
+        assert time.monotonic() < deadline, "the controller logs no time-limit check; its SlurmctldDebug must be debug2"
+        time.sleep(0.2)
     return datetime.fromisoformat(stamps[-1]).timestamp()
 
 
