@@ -98,7 +98,7 @@ def test_a_run_resumed_from_an_epochs_last_step_resumes_exactly_again(shapes_roo
     """
     # 24 training images in batches of 2: 12 steps an epoch, 24 in all
     common = ("--data.batch_size", "2", "--trainer.deterministic", "true", "--seed_everything", "5",
-              "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "1")  # fmt: skip
+              "--trainer.max_epochs", "2", "--trainer.limit_val_batches", "1", "--curves.enabled", "false")  # fmt: skip
     main(fit_args(shapes_root, tmp_path / "whole", *common, "--step_checkpoint.every_n_train_steps", "12"))
     whole = final_checkpoint(tmp_path / "whole")
     assert global_step(whole) == 24
