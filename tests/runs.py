@@ -162,3 +162,15 @@ class BackgroundRun:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def rank_pid(parent: int, rank: int) -> int:
+    """The process of ``rank``: the child of rank 0 (``parent``) that Lightning started with ``LOCAL_RANK=rank``."""
+    for pid in child_pids(parent):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"LOCAL_RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no process of rank {rank} found among the children of {parent}")

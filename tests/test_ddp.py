@@ -62,7 +62,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(shape
     import os
     import signal
 
-    from tests.processes import rank_pid
+    from tests.runs import rank_pid
 
     args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
                     "--trainer.max_steps", "100000", "--trainer.max_epochs", "-1",

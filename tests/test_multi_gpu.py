@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_imagenet.synthetic import make_shapes
-from tests.processes import rank_pid
+from tests.runs import rank_pid
 
 # LIT_IMAGENET_DDP_ON_CPU=1 runs the same tests with two CPU processes (gloo, 32-true), to debug them off a GPU.
 ON_CPU = os.environ.get("LIT_IMAGENET_DDP_ON_CPU") == "1"
