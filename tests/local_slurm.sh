@@ -120,6 +120,10 @@ for daemon in slurmctld slurmd; do
     fi
 done
 
+# Each start logs to new files: the tests read the controller's log, which must be this controller's alone.
+for log in slurmctld.log slurmd.log; do
+    if [ -f "$dir/$log" ]; then mv -f "$dir/$log" "$dir/$log.1"; fi
+done
 config >"$conf"
 
 slurmctld -c -f "$conf" || fail "slurmctld did not start"

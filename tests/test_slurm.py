@@ -87,13 +87,17 @@ def _controller_tail(env: dict[str, str]) -> str:
 def _last_time_limit_check(env: dict[str, str]) -> float:
     """When the controller last looked at the jobs' time limits (its debug2 line), in seconds since the epoch.
 
-    A controller started less than 30 s ago has not looked yet: this waits for its first look.
+    Only a look of the last 33 s counts: the controller looks every 30 s, so an older line is from a
+    controller that has stopped since, and one started less than 30 s ago has not looked yet. This
+    waits for such a look.
     """
     deadline = time.monotonic() + 45
-    while not (stamps := re.findall(r"^\[(\S+)\] debug2: Testing job time limits", _controller_tail(env), re.M)):
+    while True:
+        stamps = re.findall(r"^\[(\S+)\] debug2: Testing job time limits", _controller_tail(env), re.M)
+        if stamps and time.time() - datetime.fromisoformat(stamps[-1]).timestamp() < 33:
+            return datetime.fromisoformat(stamps[-1]).timestamp()
         assert time.monotonic() < deadline, "the controller logs no time-limit check; its SlurmctldDebug must be debug2"
         time.sleep(0.2)
-    return datetime.fromisoformat(stamps[-1]).timestamp()
 
 
 def _wait_state(env: dict[str, str], job: str, done: tuple[str, ...], timeout: float, out: Path) -> dict[str, str]:
@@ -112,29 +116,29 @@ def _signal_while_it_trains(env: dict[str, str], job: str, out: Path) -> None:
     """Has the controller's next time-limit check send the job its ``--signal`` while the job trains.
 
     The job is suspended until 2.5 s before that check, with a time limit that the check finds less
-    than SIGNAL_SECONDS (+30) away but still at least 20 s off: time enough to save and requeue. A
-    ``scontrol resume`` that comes back after the check (a slow machine) is tried again at the next.
+    than SIGNAL_SECONDS (+30) away but still at least 20 s off: time enough to save and requeue. When
+    no signal has come 4 s after the check was due (a ``scontrol resume`` that came back late, or a
+    check later than its period), the job is suspended again and the next check is tried.
     """
     sent = f"warning signal {int(signal.SIGUSR1)} to JobId={job}\n"
-    for _ in range(3):
+    for _ in range(4):
         _slurm(env, "scontrol", "suspend", job)
         ran = int(_wait_state(env, job, ("SUSPENDED",), 30, out)["SecsPreSuspend"])
+        if sent in _controller_tail(env):  # the check came while the job was being suspended
+            _slurm(env, "scontrol", "resume", job)
+            return
         check = _last_time_limit_check(env) + 30  # the next check comes 30 to 31 s after the last one
         while check - time.time() < 3:
             check += 30
         _slurm(env, "scontrol", "update", f"JobId={job}", f"TimeLimit={(ran + SIGNAL_SECONDS + 30) // 60}")
         time.sleep(max(0.0, check - 2.5 - time.time()))
         _slurm(env, "scontrol", "resume", job)
-        if time.time() < check:
-            deadline = time.monotonic() + 45
-            while sent not in _controller_tail(env):
-                assert time.monotonic() < deadline, f"SLURM sent no SIGUSR1 to job {job} within 45 s:\n{_tails(out)}"
-                time.sleep(0.1)
-            return
-        time.sleep(2)
-        if sent in _controller_tail(env):
-            return
-    raise AssertionError(f"scontrol resume came after the controller's time-limit check 3 times:\n{_tails(out)}")
+        deadline = check + 5
+        while time.time() < deadline:
+            if sent in _controller_tail(env):
+                return
+            time.sleep(0.1)
+    raise AssertionError(f"SLURM sent no SIGUSR1 to job {job} at 4 of its time-limit checks:\n{_tails(out)}")
 
 
 @dataclass
