@@ -17,7 +17,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, LearningRateLog, PredictionWriter, Throughput
+from lit_imagenet.callbacks import PredictionWriter
 from lit_imagenet.checkpointing import (
     CheckpointWriteError,
     RequeueSignal,
@@ -30,12 +30,14 @@ from lit_imagenet.checkpointing import (
     use_atomic_checkpoint_io,
 )
 from lit_imagenet.compat import untested_version_warning
-from lit_imagenet.data import ImageFolderDataModule
+from lit_imagenet.datamodule import ImageFolderDataModule
 from lit_imagenet.ddp import DefaultStreamDDPStrategy  # noqa: F401  (registers ddp_default_stream)
 from lit_imagenet.errors import ConfigError, DataError, UserError
+from lit_imagenet.guard import NonFiniteGuard, NonFiniteLossError
 from lit_imagenet.module import ImageClassifier
-from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard, NonFiniteLossError, Profile, RunLogger, TrainingCurves
+from lit_imagenet.monitoring import ConsoleLog, LearningRateLog, Profile, RunLogger, Throughput, TrainingCurves
 from lit_imagenet.precision import AMPFlags, ApexDDPStrategy, resolve_amp
+from lit_imagenet.prefetch import CUDAPrefetch
 
 
 def _trainer_defaults() -> dict[str, Any]:
@@ -101,7 +103,8 @@ class ImageNetCLI(LightningCLI):
         parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
         parser.add_lightning_class_args(SigtermConsensus, "sigterm")
         parser.add_lightning_class_args(LearningRateLog, "lr_monitor")
-        parser.add_lightning_class_args(CUDAPrefetch, "prefetch")
+        # Not a trainer callback here: the model attaches its own (configure_callbacks), which --prefetch.* sets.
+        parser.add_class_arguments(CUDAPrefetch, "prefetch", fail_untyped=False, sub_configs=True)
         # ConsoleLog before Throughput: an epoch's last console line comes before its summary line.
         parser.add_lightning_class_args(ConsoleLog, "console")
         parser.add_lightning_class_args(Throughput, "throughput")
@@ -114,6 +117,13 @@ class ImageNetCLI(LightningCLI):
     def _section(self, config: Namespace) -> Namespace:
         """The part of ``config`` for the subcommand that runs (all of it when only building the objects)."""
         return config[self.subcommand] if self.subcommand else config
+
+    @override
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        prefetch = self._section(self.config_init).get("prefetch")
+        if isinstance(prefetch, CUDAPrefetch) and isinstance(self.model, ImageClassifier):
+            self.model.prefetch = prefetch
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

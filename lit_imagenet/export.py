@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lit_imagenet.models import build_model, extract_state_dict
-from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD
 
 
 def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:

@@ -12,110 +12,25 @@ to uint8 and written into one ``(N, 3, S, S)`` batch, ready for the usual normal
 ``torchvision.io``), and they arrive in the batch already cropped. Files that nvJPEG cannot read
 (PNG and other formats, or JPEGs it does not support) are decoded by the workers too; a file that
 neither can decode raises ``DataError`` naming it.
+
+The workers' side (reading the bytes and the header, ``EncodedImage``) is in ``decoding`` and
+``datasets``; this module holds what runs on the GPU, and the collation that feeds it.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from PIL import Image
 from torch import Tensor
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
-from torchvision.transforms import RandomResizedCrop
+from torchvision.io import ImageReadMode, decode_jpeg
 
-from lit_imagenet.errors import DataError, undecodable_image
-
-JPEG_MAGIC = b"\xff\xd8\xff"
-
-
-class CropBox(NamedTuple):
-    """A region of a source image, in pixels."""
-
-    top: int
-    left: int
-    height: int
-    width: int
-
-
-class EncodedImage(NamedTuple):
-    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
-
-    data: Tensor
-    box: CropBox
-    size: int
-    flip: bool
-    path: str
-
-
-def gpu_decodable(data: Tensor) -> bool:
-    """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
-    return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
-
-
-def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image, without decoding it.
-
-    Raises:
-        DataError: The header cannot be read; the message names the file.
-    """
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            width, height = img.size
-    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
-        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
-    return height, width
-
-
-def random_crop_box(
-    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float] = (3 / 4, 4 / 3)
-) -> CropBox:
-    """The box ``RandomResizedCrop`` would cut from an image of this size, drawn from torch's generator."""
-    shape_only = torch.empty(()).expand(3, height, width)  # get_params reads only the shape
-    top, left, h, w = RandomResizedCrop.get_params(shape_only, list(scale), list(ratio))  # type: ignore[arg-type]
-    return CropBox(int(top), int(left), int(h), int(w))
-
-
-def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
-    """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_long = int(resize * long / short)
-    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
-    top = int(round((new_h - crop) / 2.0))
-    left = int(round((new_w - crop) / 2.0))
-    scale_h, scale_w = height / new_h, width / new_w
-    src_top, src_left = int(round(top * scale_h)), int(round(left * scale_w))
-    src_h = max(1, min(height - src_top, int(round(crop * scale_h))))
-    src_w = max(1, min(width - src_left, int(round(crop * scale_w))))
-    return CropBox(src_top, src_left, src_h, src_w)
-
-
-def read_bytes(path: str) -> Tensor:
-    """A file's bytes as a uint8 tensor.
-
-    Raises:
-        DataError: The file cannot be read; the message names it.
-    """
-    try:
-        return read_file(path)
-    except Exception as err:
-        raise DataError(
-            f"Cannot read image {path} ({type(err).__name__}: {err}); replace or remove the file."
-        ) from None
-
-
-def gpu_share_picks(index: int, share: float) -> bool:
-    """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
-    if share >= 1.0:
-        return True
-    if share <= 0.0:
-        return False
-    return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
+from lit_imagenet.decoding import EncodedImage, decode_rgb_bytes
+from lit_imagenet.presets import CropBox
 
 
 @dataclass
@@ -245,22 +160,6 @@ def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Ten
         except RuntimeError:
             out.append(decode_rgb_bytes(item.data, item.path).to(device))  # the JPEGs nvJPEG does not take
     return out
-
-
-def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
-    """An encoded JPEG, PNG or WebP decoded on the CPU by ``torchvision.io``, as uint8 ``(3, H, W)`` RGB.
-
-    Raises:
-        DataError: The bytes cannot be decoded; the message names ``path``.
-    """
-    try:
-        img = decode_image(data, mode=ImageReadMode.RGB)
-    except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
-        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
-        raise undecodable_image(path, reason) from None
-    if img.dtype != torch.uint8:  # 16-bit PNG
-        img = (img.to(torch.int32) >> 8).to(torch.uint8)
-    return img
 
 
 def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format) -> EncodedBatch:

@@ -1,4 +1,9 @@
-"""The LightningModule: a torchvision classifier, its metrics and the reference's LR schedule."""
+"""The LightningModule: a torchvision classifier trained and evaluated as the reference did.
+
+Its parts live beside it: the metrics in ``metrics``, the optimizer and the schedule's rescaling in
+``optim``, the head/backbone split in ``backbone``; the prefetcher's callback, which it attaches, in
+``prefetch``.
+"""
 
 from __future__ import annotations
 
@@ -11,68 +16,17 @@ import torch
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric, MetricCollection
-from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from lit_imagenet.callbacks import CUDAPrefetch, copy_to_host, read_host_copy
+from lit_imagenet import backbone, optim
 from lit_imagenet.compat import attached_trainer, metric_defaults, writes_log_line
+from lit_imagenet.host import copy_to_host, read_host_copy
+from lit_imagenet.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
 from lit_imagenet.models import build_model, classifier_name
 from lit_imagenet.precision import ApexAMP
-from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.prefetch import CUDAPrefetch
+from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
-
-
-def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks.
-
-    Each metric keeps its own state (no torchmetrics compute groups, which merge metrics whose
-    states happen to be equal after the first batch).
-    """
-    return MetricCollection(
-        {
-            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
-            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
-        },
-        prefix=prefix,
-        compute_groups=False,
-    )
-
-
-class TopKAccuracy(MeanMetric):
-    """The fraction of samples whose label is among the ``k`` highest logits, with no host-device synchronisation.
-
-    ``MulticlassAccuracy`` checks the labels and, for ``k > 1``, one-hot encodes them, and both read
-    GPU values on the host at every update; this metric only compares ``topk`` indices with the
-    labels on the device. Its state is a sum and a count, so it is exact across ranks.
-
-    Args:
-        k: How many of the highest logits count as a hit (capped at the number of classes).
-    """
-
-    def __init__(self, k: int) -> None:
-        super().__init__(nan_strategy="disable")
-        self.k = k
-
-    def update(self, logits: Tensor, targets: Tensor) -> None:  # type: ignore[override]
-        super().update(topk_hits(logits, targets, self.k).float())
-
-
-def topk_hits(logits: Tensor, targets: Tensor, k: int) -> Tensor:
-    """Per sample, whether its label is among the ``k`` highest logits (``k`` capped at the number of classes)."""
-    k = min(k, logits.shape[1])
-    return (logits.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)
-
-
-def train_accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free.
-
-    No compute groups: torchmetrics would merge the two metrics into one whenever their states are
-    equal after the first batch (no label in any top 5, common at the start from scratch), and
-    top-5 would then report top-1 for the rest of the run; comparing them also reads the GPU.
-    """
-    return MetricCollection(
-        {"top1": TopKAccuracy(1), "top5": TopKAccuracy(min(5, num_classes))}, prefix=prefix, compute_groups=False
-    )
 
 
 class ImageClassifier(pl.LightningModule):
@@ -155,6 +109,9 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.persistent(True)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        #: The prefetcher's switch, attached to the trainer by ``configure_callbacks``; the command line
+        #: sets it from ``--prefetch.*``.
+        self.prefetch = CUDAPrefetch()
         self._compiled = False
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
@@ -183,32 +140,15 @@ class ImageClassifier(pl.LightningModule):
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Parameters of the classifier head (the network's final ``nn.Linear``)."""
-        return list(self.model.get_submodule(self.head_name).parameters())
+        return backbone.head_parameters(self.model, self.head_name)
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Parameters of the network but its classifier head."""
-        head = {id(p) for p in self.head_parameters()}
-        return [p for p in self.model.parameters() if id(p) not in head]
-
-    def _backbone_batchnorms(self) -> list[nn.Module]:
-        prefix = self.head_name + "."
-        return [
-            m
-            for name, m in self.model.named_modules()
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and not (name + ".").startswith(prefix)
-        ]
+        return backbone.backbone_parameters(self.model, self.head_name)
 
     def set_backbone_frozen(self, frozen: bool) -> None:
-        """Stops (or restarts) training of everything but the classifier head.
-
-        Frozen parameters get no gradients, so SGD leaves them as they are (weight decay included),
-        and the batchnorm layers are put in eval mode so that their running statistics, which the
-        pretrained weights came with, are used and kept.
-        """
-        for p in self.backbone_parameters():
-            p.requires_grad_(not frozen)
-        for m in self._backbone_batchnorms():
-            m.train(not frozen and self.training)
+        """Stops (or restarts) training of everything but the classifier head (``backbone.set_backbone_frozen``)."""
+        backbone.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
 
     @property
     def backbone_frozen(self) -> bool:
@@ -227,9 +167,10 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
+        """The prefetcher's callback, ``self.prefetch``; a ``CUDAPrefetch`` given to the Trainer takes its place."""
         if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks):
             return []
-        return [CUDAPrefetch()]
+        return [self.prefetch]
 
     def _logs_this_step(self, batch_idx: int) -> bool:
         """Whether Lightning writes the step metrics after this batch, or it ends the epoch or the run."""
@@ -300,18 +241,11 @@ class ImageClassifier(pl.LightningModule):
 
     def global_batch_size(self) -> int:
         """Images per optimizer step over all processes: batch x processes x gradient accumulation."""
-        loader = self.trainer.train_dataloader
-        batch_size = getattr(loader, "batch_size", None)
-        if not batch_size:
-            raise ValueError("The training loader has no batch_size; the learning rate is scaled by it.")
-        return batch_size * self.trainer.world_size * self.trainer.accumulate_grad_batches
+        return optim.global_batch_size(self.trainer)
 
     def steps_per_epoch(self) -> int:
         """Optimizer steps in one epoch of the training loader (as limited by the trainer)."""
-        batches = self.trainer.num_training_batches
-        if math.isinf(batches):
-            raise ValueError("The training loader has no length; the warmup and step schedule are counted in epochs.")
-        return max(1, math.ceil(batches / self.trainer.accumulate_grad_batches))
+        return optim.steps_per_epoch(self.trainer)
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
@@ -319,34 +253,21 @@ class ImageClassifier(pl.LightningModule):
         # loading it this early would draw its first batches before a checkpoint's loop state is
         # restored, and a resumed run would restart its epoch. ``on_train_start`` sets them.
         hp = self.hparams
-        base_lr = hp.lr
-        # The head first, so that param_groups[0] carries the full rate; LambdaLR scales both groups alike.
-        groups = [
-            {"params": self.head_parameters(), "lr": base_lr},
-            {"params": self.backbone_parameters(), "lr": base_lr * hp.backbone_lr_scale},
-        ]
-        implementation = self._sgd_implementation()
-        optimizer = torch.optim.SGD(
-            groups, lr=base_lr, momentum=hp.momentum, weight_decay=hp.weight_decay, **implementation
-        )
-        if implementation.get("fused") and hp.momentum != 0:
-            # Fused SGD makes its momentum buffers with empty_like at its first step; when the gradient
-            # scaler skips that step (float16 overflow, common at the first steps), they stay garbage and
-            # the next step turns the weights into NaN. Zeros give the same first update (buffer = grad).
-            for group in groups:
-                for p in group["params"]:
-                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        fused = bool(self._sgd_implementation().get("fused"))
+        optimizer = optim.build_sgd(
+            self.head_parameters(), self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
+            hp.weight_decay, fused,
+        )  # fmt: skip
+        # LambdaLR scales both groups alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
         hp = self.hparams
-        if hp.lr_schedule == "cosine":
-            max_epochs = self.trainer.max_epochs
-            if max_epochs is None or max_epochs < 1:
-                raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
-            return WarmupCosine(steps_per_epoch, max_epochs, hp.warmup_epochs)
-        return WarmupMultiStep(steps_per_epoch, hp.warmup_epochs, hp.milestones, hp.lr_gamma)
+        max_epochs = self.trainer.max_epochs if hp.lr_schedule == "cosine" else None
+        return optim.make_schedule(
+            hp.lr_schedule, steps_per_epoch, max_epochs, hp.warmup_epochs, hp.milestones, hp.lr_gamma
+        )
 
     def _sgd_implementation(self) -> dict[str, bool]:
         fused = self.hparams.get("fused_optimizer")
@@ -366,14 +287,10 @@ class ImageClassifier(pl.LightningModule):
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
         base_lr = scaled_lr(self.hparams.lr, self.global_batch_size())
-        scheduler.base_lrs = [base_lr, base_lr * self.hparams.backbone_lr_scale]
-        # Built afresh from this run's settings: a resumed LambdaLR has put back the schedule objects of
-        # the checkpoint, whose max_epochs, warmup or milestones this run may have changed.
-        scheduler.lr_lambdas = [self._schedule(self.steps_per_epoch()) for _ in scheduler.lr_lambdas]
-        optimizer = scheduler.optimizer
-        for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["initial_lr"] = base
-            group["lr"] = base * schedule(scheduler.last_epoch)
+        steps = self.steps_per_epoch()
+        optim.restart_schedule(
+            scheduler, [base_lr, base_lr * self.hparams.backbone_lr_scale], lambda: self._schedule(steps)
+        )
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -1,8 +1,9 @@
-"""Watching a long run: a non-finite loss guard, console lines, logs, curves and profiling windows.
+"""Watching a run: console lines, throughput, learning rates, logs, curves and profiling windows.
 
-None of these waits for the GPU during an epoch: what they accumulate stays on the device, and
-what they read back was copied to the host a while before (``copy_to_host``), so the GPU never
-runs out of queued work because of them.
+None of these waits for the GPU during an epoch: what they accumulate stays on the device or on the
+host, and what they read back was copied to the host a while before (``lit_imagenet.host``), so the
+GPU never runs out of queued work because of them. ``Throughput`` synchronises at an epoch's start
+and end only.
 """
 
 from __future__ import annotations
@@ -15,142 +16,25 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.callbacks import sync_device
-from lit_imagenet.compat import (
-    accumulates_gradients,
-    batches_that_stepped,
-    last_checkpoint_saved,
-    logger_prefix,
-    writes_log_line,
-)
-from lit_imagenet.ddp import DelayedMax
+from lit_imagenet.compat import batches_that_stepped, logger_prefix, writes_log_line
+from lit_imagenet.host import sync_device
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss was NaN or infinite for too many consecutive batches."""
-
-
-class NonFiniteGuard(pl.Callback):
-    """Stops the run when the loss has been NaN or infinite for ``max_consecutive`` batches in a row.
-
-    With fp16 dynamic loss scaling an occasional overflow is normal (the scaler skips that step), so
-    one bad batch is not an error; a long run of them means the weights or the data went bad. The
-    count is kept on the device. Every ``check_every_n_steps`` batches (by default on Lightning's
-    log steps) the guard starts copying it to the host, and it reads that copy at the next check,
-    long after the GPU wrote it, so the guard never waits for the GPU during an epoch; at the end of
-    each epoch it reads the count directly. The price is that the run stops up to twice that many
-    batches after the limit was reached. The error names the global step where the bad run began
-    and the newest checkpoint saved before it. Under DDP every rank takes the largest count of all
-    ranks at the same batch, so all of them stop together.
-
-    Args:
-        max_consecutive: Consecutive non-finite losses that stop the run.
-        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps
-            (every ``log_every_n_steps`` optimizer steps).
-    """
-
-    def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
-        if max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be at least 1. Got {max_consecutive}")
-        if check_every_n_steps is not None and check_every_n_steps < 1:
-            raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
-        self.max_consecutive = max_consecutive
-        self.check_every_n_steps = check_every_n_steps
-        # (consecutive non-finite losses, global step where that run began, where a run that reached
-        # the limit began), on the device, updated in place: -1 means none.
-        self._state: Tensor | None = None
-        self._max: DelayedMax | None = None
-        self._in_flight: int | None = None  # the slot of the previous check, not read yet
-        self._batches = 0
-        self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
+class _EpochMeter(pl.Callback):
+    """A callback that starts measuring at the start of each training epoch (``on_train_epoch_start``)."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        device = pl_module.device
-        self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=device)
-        self._max = DelayedMax(1, device)
-        self._in_flight = None
-        self._batches = 0
-        self._saved = {}
-
-    def _note_checkpoints(self, trainer: pl.Trainer) -> None:
-        for cb in trainer.checkpoint_callbacks:
-            if isinstance(cb, ModelCheckpoint) and (saved := last_checkpoint_saved(cb)):
-                path, step = saved
-                self._saved[path] = max(step, self._saved.get(path, step))
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._note_checkpoints(trainer)  # host-side attributes only: saves happen at batch ends
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._state is None:
-            return
-        if not isinstance(loss, Tensor):
-            # Every rank must take part in the same checks, whatever its own batch gave.
-            loss = torch.zeros((), device=self._state.device)
-        bad = ~torch.isfinite(loss.detach().to(self._state.device))
-        # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
-        step = trainer.global_step - (0 if accumulates_gradients(trainer) else 1)
-        consecutive, run_start, tripped_at = self._state.unbind()
-        new_start = torch.where(bad & (consecutive == 0), step, run_start)
-        new_count = torch.where(bad, consecutive + 1, 0)
-        new_tripped = torch.where((new_count >= self.max_consecutive) & (tripped_at < 0), new_start, tripped_at)
-        self._state.copy_(torch.stack([new_count, new_start, new_tripped]))
-        self._batches += 1
-        every = self.check_every_n_steps
-        if (self._batches % every == 0) if every else writes_log_line(trainer):
-            previous = self._in_flight
-            self._in_flight = self._start_check()
-            if previous is not None:
-                self._raise_if_tripped(trainer, self._read(previous))
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._state is not None:
-            self._in_flight = None  # the value read now includes it
-            self._raise_if_tripped(trainer, self._read(self._start_check()))
-
-    def _start_check(self) -> int:
-        """Starts the maximum over all ranks of where a bad run that reached the limit began (-1: none): every
-        rank stops together, where one raising alone would leave the others waiting in their next collective."""
-        assert self._state is not None and self._max is not None
-        return self._max.start(self._state[2:3])
-
-    def _read(self, slot: int) -> int:
-        assert self._max is not None
-        return self._max.read(slot)[0]
-
-    def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
-        if start < 0:
-            return
-        self._note_checkpoints(trainer)
-        # A rolling file rewritten after the bad run began holds bad weights.
-        good = [(s, p) for p, s in self._saved.items() if s <= start and Path(p).is_file()]
-        where = (
-            f"the last checkpoint before it is {max(good)[1]} (step {max(good)[0]}); resume with --ckpt_path PATH"
-            if good
-            else "no checkpoint was saved before it"
-        )
-        raise NonFiniteLossError(
-            f"The training loss was NaN or infinite for {self.max_consecutive} consecutive batches from global step "
-            f"{start}; {where}, and lower the learning rate or check the data."
-        )
+        # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
+        self.on_train_epoch_start(trainer, pl_module)
 
 
-class ConsoleLog(pl.Callback):
+class ConsoleLog(_EpochMeter):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
@@ -174,11 +58,6 @@ class ConsoleLog(pl.Callback):
         self._images = 0
         self._batches = 0
         self._pending: dict[str, Any] | None = None
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
-        self.on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -249,6 +128,112 @@ class ConsoleLog(pl.Callback):
             bar.print(line)
         else:
             print(line, flush=True)
+
+
+class Throughput(_EpochMeter):
+    """Reports each training epoch's images per second over all processes, and peak GPU memory.
+
+    The average covers the whole epoch, epoch start included, which is the figure that counts for
+    a whole run; the GPU is synchronised only at the start and the end of the epoch. (The rate
+    between log steps is ``ConsoleLog``'s ``train/images_per_sec``.)
+    """
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+        self._epoch_start = 0.0
+        self._epoch_images = 0
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync_device(pl_module)
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self._epoch_start = time.perf_counter()
+        self._epoch_images = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._epoch_images += int(batch[0].shape[0]) * trainer.world_size
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync_device(pl_module)
+        seconds = time.perf_counter() - self._epoch_start
+        record = {
+            "epoch": float(trainer.current_epoch),
+            "images": float(self._epoch_images),
+            "seconds": seconds,
+            "images_per_sec": self._epoch_images / max(seconds, 1e-9),
+        }
+        if pl_module.device.type == "cuda":
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
+        self.history.append(record)
+        memory = f", peak GPU memory {record['peak_memory_gib']:.2f} GiB" if "peak_memory_gib" in record else ""
+        rank_zero_info(
+            f"Epoch {trainer.current_epoch}: {record['images_per_sec']:,.0f} images/s over all processes "
+            f"({self._epoch_images:,} images in {seconds:.1f} s){memory}"
+        )
+
+
+class LearningRateLog(pl.Callback):
+    """Logs each optimizer's learning rates on Lightning's log steps, or at the start of each epoch.
+
+    The names are those of Lightning's ``LearningRateMonitor``: ``lr-SGD``, or ``lr-SGD/pg1``,
+    ``lr-SGD/pg2``... when the optimizer has several parameter groups (a group's ``name`` entry
+    replaces ``pgN``), with ``-1``, ``-2``... after the optimizer's name when several optimizers share
+    it. Unlike ``LearningRateMonitor``, which copies each rate to the GPU at every log step (a copy
+    that waits for all the GPU's queued work), it keeps the figures on the host.
+
+    Args:
+        logging_interval: ``step``: on the batches after which Lightning writes its step logs (every
+            ``log_every_n_steps`` optimizer steps); ``epoch``: at the start of each training epoch.
+        log_momentum: Also log each group's momentum (``betas[0]`` for Adam-like optimizers) as
+            ``lr-SGD-momentum``, ``lr-SGD/pg1-momentum``...
+    """
+
+    def __init__(self, logging_interval: str = "step", log_momentum: bool = False) -> None:
+        if logging_interval not in ("step", "epoch"):
+            raise ValueError(f"logging_interval must be 'step' or 'epoch'. Got {logging_interval!r}")
+        self.logging_interval = logging_interval
+        self.log_momentum = log_momentum
+
+    def rates(self, trainer: pl.Trainer) -> dict[str, float]:
+        """The current rates (and momenta), by name."""
+        optimizers = trainer.optimizers
+        kinds = [type(opt).__name__ for opt in optimizers]
+        figures: dict[str, float] = {}
+        for index, (opt, kind) in enumerate(zip(optimizers, kinds)):
+            base = f"lr-{kind}" + (f"-{kinds[:index].count(kind) + 1}" if kinds.count(kind) > 1 else "")
+            groups = opt.param_groups
+            for number, group in enumerate(groups, start=1):
+                name = f"{base}/{group.get('name', f'pg{number}')}" if len(groups) > 1 else base
+                figures[name] = float(group["lr"])
+                if self.log_momentum:
+                    momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
+                    figures[f"{name}-momentum"] = float(momentum)
+        return figures
+
+    def _log(self, trainer: pl.Trainer) -> None:
+        figures = self.rates(trainer)
+        if not figures:
+            return
+        trainer.callback_metrics.update({name: torch.tensor(value) for name, value in figures.items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(figures, step=batches_that_stepped(trainer))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.logging_interval == "step" and writes_log_line(trainer):
+            self._log(trainer)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.logging_interval == "epoch":
+            self._log(trainer)
 
 
 class RunLogger(CSVLogger):

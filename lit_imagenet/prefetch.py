@@ -8,9 +8,9 @@ stream and records the tensors on it, so the caching allocator does not recycle 
 early.
 
 ``PrefetchLoader`` is a ``DataLoader``, so Lightning injects its ``DistributedSampler`` and calls
-``set_epoch`` on it as for any loader. Its ``device`` is set by the ``CUDAPrefetch`` callback; on
-anything but a CUDA device it iterates like a plain ``DataLoader`` and the model normalises the
-uint8 batch itself after Lightning's transfer.
+``set_epoch`` on it as for any loader. Its ``device`` is set by the ``CUDAPrefetch`` callback (here,
+below the LightningModule, which attaches it); on anything but a CUDA device it iterates like a plain
+``DataLoader`` and the model normalises the uint8 batch itself after Lightning's transfer.
 """
 
 from __future__ import annotations
@@ -20,44 +20,15 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-class Uint8Normalize(nn.Module):
-    """Turns uint8 images in [0, 255] into normalised floats: ``(x / 255 - mean) / std``.
-
-    One multiply and one add with per-channel constants kept as buffers, so they move with the
-    module and cost no host-to-device copy per batch. The memory format of the input is kept.
-
-    Args:
-        mean: Per-channel mean of images scaled to [0, 1].
-        std: Per-channel standard deviation of images scaled to [0, 1].
-    """
-
-    def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> None:
-        super().__init__()
-        if len(mean) != len(std):
-            raise ValueError(f"mean and std need one value per channel each. Got {len(mean)} and {len(std)}")
-        if any(s <= 0 for s in std):
-            raise ValueError(f"std values must be positive. Got {list(std)}")
-        mean_t = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
-        std_t = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
-        self.register_buffer("scale", (1.0 / (255.0 * std_t)).float(), persistent=False)
-        self.register_buffer("shift", (-mean_t / std_t).float(), persistent=False)
-
-    def forward(self, images: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-        if images.dtype != torch.uint8:
-            raise ValueError(f"Expected uint8 images. Got {images.dtype}")
-        if images.ndim != 4 or images.shape[1] != self.scale.shape[1]:
-            raise ValueError(f"Expected images of shape (N, {self.scale.shape[1]}, H, W). Got {tuple(images.shape)}")
-        out = images.to(dtype=dtype)
-        return out.mul_(self.scale.to(dtype)).add_(self.shift.to(dtype))
+from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.samplers import moves_by_epoch
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -219,13 +190,7 @@ class PrefetchLoader(DataLoader):
     def _starts_next_epoch_early(self) -> bool:
         # Only a shuffling sampler that knows its epoch (a training sampler) is moved on, and only
         # persistent workers keep decoding between two iterations.
-        sampler = self.sampler
-        return (
-            self.persistent_workers
-            and bool(getattr(sampler, "shuffle", False))
-            and hasattr(sampler, "set_epoch")
-            and hasattr(sampler, "epoch")
-        )
+        return self.persistent_workers and moves_by_epoch(self.sampler)
 
     def _start_next_epoch(self) -> None:
         epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
@@ -264,3 +229,38 @@ class PrefetchLoader(DataLoader):
         if self.device is None or self.device.type != "cuda":
             return source
         return CUDAPrefetcher(source, self.device, Uint8Normalize(self.mean, self.std), self.decode_ahead)
+
+
+class CUDAPrefetch(pl.Callback):
+    """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
+
+    Lightning creates the loaders and draws their first batch before any epoch-start hook runs, so
+    the device is handed to the data module in ``setup``; the data module's ``PrefetchLoader`` then
+    copies and normalises each batch on a side stream, one step ahead. On other devices nothing
+    changes and the model normalises the uint8 batches itself. A data module takes part by having a
+    ``prefetch_device`` attribute.
+
+    ``ImageClassifier`` attaches it (``configure_callbacks``), so a plain ``Trainer().fit(model, data)``
+    prefetches; on the command line ``--prefetch.enabled`` configures that one. A ``CUDAPrefetch`` given
+    to the Trainer takes its place.
+
+    Args:
+        enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "prefetch_device"):
+            return
+        device = trainer.strategy.root_device
+        datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(datamodule, "prefetch_device"):
+            datamodule.prefetch_device = None

@@ -74,6 +74,17 @@ def test_help_shows_docstrings(capsys: pytest.CaptureFixture) -> None:
     assert "--data.crop_scale" in out and "RandomResizedCrop" in out
 
 
+def test_prefetch_flag_sets_the_callback_that_the_model_attaches(shapes_root: Path, tmp_path: Path) -> None:
+    """``--prefetch.enabled`` configures the model's ``CUDAPrefetch``; the trainer is not given one of its own."""
+    from lit_imagenet.prefetch import CUDAPrefetch
+
+    cli = main(fit_args(shapes_root, tmp_path, "--prefetch.enabled", "false")[1:], run=False)
+    assert not any(isinstance(cb, CUDAPrefetch) for cb in cli.trainer.callbacks)
+    cli.model.trainer = cli.trainer
+    assert cli.model.configure_callbacks() == [cli.model.prefetch] and cli.model.prefetch.enabled is False
+    assert main(fit_args(shapes_root, tmp_path)[1:], run=False).model.prefetch.enabled is True
+
+
 def test_print_config(shapes_root: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         main(["fit", "--config", str(REPO / "configs/demo.yaml"), "--data.root", str(shapes_root), "--print_config"])

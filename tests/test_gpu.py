@@ -9,7 +9,8 @@ import pytorch_lightning as pl
 import torch
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.prefetch import CUDAPrefetcher, Uint8Normalize
+from lit_imagenet.prefetch import CUDAPrefetcher
+from lit_imagenet.presets import Uint8Normalize
 
 pytestmark = pytest.mark.gpu
 
@@ -161,8 +162,8 @@ def test_no_host_device_sync_during_an_epoch(tmp_path: Path) -> None:
 
     from pytorch_lightning.loggers import CSVLogger
 
-    from lit_imagenet.callbacks import LearningRateLog, Throughput
-    from lit_imagenet.monitoring import ConsoleLog, NonFiniteGuard
+    from lit_imagenet.guard import NonFiniteGuard
+    from lit_imagenet.monitoring import ConsoleLog, LearningRateLog, Throughput
     from lit_imagenet.synthetic import SyntheticDataModule
 
     every, steps = 5, 12

@@ -9,16 +9,12 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from lit_imagenet.data import DataError, EncodedImageFolderDataset, ImageFolderDataModule, load_rgb_tensor
-from lit_imagenet.gpu_decode import (
-    CropBox,
-    EncodedBatch,
-    EncodedImage,
-    center_crop_box,
-    collate_encoded,
-    gpu_share_picks,
-    random_crop_box,
-)
+from lit_imagenet.datamodule import ImageFolderDataModule
+from lit_imagenet.datasets import EncodedImageFolderDataset, gpu_share_picks
+from lit_imagenet.decoding import EncodedImage, load_rgb_tensor
+from lit_imagenet.errors import DataError
+from lit_imagenet.gpu_decode import EncodedBatch, collate_encoded
+from lit_imagenet.presets import CropBox, center_crop_box, random_crop_box
 
 
 def _module(root: Path, decoder: str, **kwargs) -> ImageFolderDataModule:
@@ -153,7 +149,7 @@ def test_worker_side_decoding_matches_load_rgb_tensor(shapes_root: Path) -> None
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_prefetched_nvjpeg_batches_equal_inline_decoding(shapes_root: Path, ahead: int) -> None:
     """The prefetcher decodes in a thread of its own; the batches must be those decoded inline, in order."""
-    from lit_imagenet.prefetch import Uint8Normalize
+    from lit_imagenet.presets import Uint8Normalize
 
     device = torch.device("cuda")
     dm = _module(shapes_root, "nvjpeg", gpu_share=0.5, gpu_decode_ahead=ahead)

@@ -10,7 +10,8 @@ from pytorch_lightning.loggers import CSVLogger
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
 from lit_imagenet.checkpointing import StepCheckpoint
 from lit_imagenet.cli import main
-from lit_imagenet.monitoring import NonFiniteGuard, NonFiniteLossError, Profile
+from lit_imagenet.guard import NonFiniteGuard, NonFiniteLossError
+from lit_imagenet.monitoring import Profile
 from tests.test_checkpointing import _fit_args
 
 
@@ -181,7 +182,7 @@ def test_every_rank_stops_when_one_rank_trips_the_guard(tmp_path: Path) -> None:
 def test_learning_rates_are_logged_from_the_host_under_lightnings_names(
     shapes_root: Path, tmp_path: Path, interval: str
 ) -> None:
-    from lit_imagenet.callbacks import LearningRateLog
+    from lit_imagenet.monitoring import LearningRateLog
 
     logger = CSVLogger(tmp_path)
     model = ImageClassifier("resnet18", num_classes=3, warmup_epochs=1, lr=0.2, backbone_lr_scale=0.5)
@@ -202,7 +203,7 @@ def test_learning_rates_are_logged_from_the_host_under_lightnings_names(
 
 
 def test_learning_rate_log_rejects_an_unknown_interval() -> None:
-    from lit_imagenet.callbacks import LearningRateLog
+    from lit_imagenet.monitoring import LearningRateLog
 
     with pytest.raises(ValueError, match="logging_interval must be 'step' or 'epoch'. Got 'batch'"):
         LearningRateLog(logging_interval="batch")

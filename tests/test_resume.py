@@ -6,10 +6,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lit_imagenet.cli import main
-from lit_imagenet.data import EpochSeededSampler
+from lit_imagenet.samplers import EpochSeededSampler
 from tests.cli_args import fit_args
 from tests.runs import differing, final_checkpoint, global_step
 
@@ -55,17 +56,19 @@ def kill_when(proc: subprocess.Popen, out: Path, at: Callable[[int], bool], time
 
 
 def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
-    # 144 training images in batches of 6: 24 steps an epoch, 48 in all; the kill lands in epoch 0 or 1.
-    whole = tmp_path / "whole"
-    proc = _start(_args(learnable_root, whole), tmp_path)
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-3000:]
-
-    cut = tmp_path / "cut"
-    killed_at = kill_when(_start(_args(learnable_root, cut), tmp_path), cut, lambda step: step >= 15)
+    # 144 training images in batches of 6: 24 steps an epoch, 48 in all; the kill lands in epoch 0 or 1,
+    # and the run resumes from the last of its step checkpoints, one every 3 steps.
+    every_3 = ("--step_checkpoint.every_n_train_steps", "3")
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one that is killed
+        whole_run = _start(_args(learnable_root, whole, *every_3), tmp_path)
+        whole_output = pool.submit(whole_run.communicate, timeout=600)
+        killed_at = kill_when(_start(_args(learnable_root, cut, *every_3), tmp_path), cut, lambda step: step >= 15)
+        out, _ = whole_output.result()
+    assert whole_run.returncode == 0, out[-3000:]
     assert 15 <= killed_at < 48
 
-    proc = _start(_args(learnable_root, cut, "--ckpt_path", "last"), tmp_path)
+    proc = _start(_args(learnable_root, cut, *every_3, "--ckpt_path", "last"), tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
     assert "Resuming from" in out

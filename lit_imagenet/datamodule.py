@@ -1,0 +1,245 @@
+"""The data module: ImageFolder splits under a root as uint8 batches, ready for the GPU-side prefetcher.
+
+It composes the pieces of the data path: the folder scan and its checks (``folders``), the dataset
+and collation of each decoder (``decoders``, ``datasets``, ``gpu_decode``, ``dali``), the samplers and
+the position of a resumed run (``samplers``), the transforms (``presets``) and the loader that copies
+and normalises batches on the GPU one step ahead (``prefetch``). An image that cannot be decoded
+raises ``DataError`` naming the file, whether ``verify_images`` finds it up front or a loader worker
+finds it on first read.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_info
+from torch.utils.data import DistributedSampler
+
+from lit_imagenet import presets
+from lit_imagenet.dali import DALILoader, batch_dtype, choose_decoder, import_dali
+from lit_imagenet.decoders import DECODERS, decoder_dataset
+from lit_imagenet.decoding import verify_image_files
+from lit_imagenet.errors import DataError
+from lit_imagenet.folders import scan_predict, scan_root
+from lit_imagenet.gpu_decode import EncodedBatch
+from lit_imagenet.prefetch import PrefetchLoader
+from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.samplers import split_sampler
+
+
+class ImageFolderDataModule(pl.LightningDataModule):
+    """ImageFolder splits under ``root`` as uint8 batches, ready for the GPU-side prefetcher.
+
+    Args:
+        root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
+            sub-folder of images per class.
+        batch_size: Images per batch in each process.
+        workers: Loader worker processes per training process; they persist across epochs.
+        crop_size: Side of the square crops fed to the network.
+        val_resize: Validation images are resized so that their short side is this long, then
+            centre-cropped to ``crop_size``.
+        crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
+        channels_last: Collate batches in channels_last memory format. ``None``: on when the run
+            uses a CUDA device.
+        pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU.
+        verify_images: Decode every image once before training, to find unreadable files up front.
+        predict_root: Folder of images (searched recursively) to classify with ``predict``.
+        decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
+            decodes with ``torchvision.io`` and crops and resizes uint8 tensors; ``nvjpeg`` has the
+            workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
+            (``lit_imagenet.gpu_decode``), for when the CPU cores cannot decode fast enough; ``dali``
+            reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.dali``;
+            on CUDA the GPU and its hardware JPEG decoder do the work; ``workers`` is then its number of
+            CPU threads); ``auto`` picks ``dali`` on CUDA when DALI is installed, else ``nvjpeg`` on CUDA,
+            else ``pil``, and logs its choice.
+        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
+            workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
+            and the CPU cores have time to spare.
+        gpu_decode_ahead: With ``decoder: nvjpeg``, how many batches are queued for decoding on the
+            GPU while the current one trains. More even out slow batches; each holds a decoded batch
+            in GPU memory.
+        seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
+            A run resumed from a checkpoint keeps the seed it was started with.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        batch_size: int = 256,
+        workers: int = 4,
+        crop_size: int = 224,
+        val_resize: int = 256,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        channels_last: bool | None = None,
+        pin_memory: bool = True,
+        verify_images: bool = False,
+        predict_root: str | None = None,
+        seed: int | None = None,
+        decoder: Literal["pil", "torchvision", "nvjpeg", "dali", "auto"] = "pil",
+        gpu_share: float = 1.0,
+        gpu_decode_ahead: int = 2,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1. Got {batch_size}")
+        if workers < 0:
+            raise ValueError(f"workers must not be negative. Got {workers}")
+        if crop_size < 1 or val_resize < crop_size:
+            raise ValueError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
+        if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
+        if root is None and predict_root is None:
+            raise DataError("No data given; set --data.root to a folder with train/ and val/ sub-folders.")
+        self.save_hyperparameters()
+        self.root = Path(root) if root is not None else None
+        self.batch_size = batch_size
+        self.workers = workers
+        self.crop_size = crop_size
+        self.val_resize = val_resize
+        self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
+        self.channels_last = channels_last
+        self.pin_memory = pin_memory
+        self.predict_root = Path(predict_root) if predict_root is not None else None
+        self.seed = seed
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
+        if decoder == "dali":
+            import_dali()
+        if not 0.0 <= gpu_share <= 1.0:
+            raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
+        if gpu_decode_ahead < 1:
+            raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
+        self.decoder = decoder
+        self._auto_choice: str | None = None
+        self.gpu_share = float(gpu_share)
+        self.gpu_decode_ahead = gpu_decode_ahead
+        #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
+        self.prefetch_device: torch.device | None = None
+        self.mean = IMAGENET_MEAN
+        self.std = IMAGENET_STD
+
+        self.classes: list[str] = []
+        self._splits: dict[str, list[tuple[str, int]]] = {}
+        if self.root is not None:
+            self.classes, self._splits = scan_root(self.root)
+        if self.predict_root is not None:
+            self._splits["predict"] = scan_predict(self.predict_root)
+        if verify_images:
+            verify_image_files([p for samples in self._splits.values() for p, _ in samples], workers=max(1, workers))
+
+    @property
+    def num_classes(self) -> int | None:
+        """Number of classes in the training split (``None`` without one)."""
+        return len(self.classes) or None
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        """Class folder name to label index, as the model's outputs are ordered."""
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def samples(self, split: str) -> list[tuple[str, int]]:
+        """``(path, label)`` pairs of a split (``train``, ``val``, ``test`` or ``predict``)."""
+        if split not in self._splits:
+            raise DataError(f"There is no {split!r} split; the data module has {sorted(self._splits)}.")
+        return self._splits[split]
+
+    def train_transform(self) -> Callable[[Any], Any]:
+        """RandomResizedCrop and horizontal flip, on PIL images (``pil``) or uint8 tensors (the others)."""
+        return presets.train_transform(self.crop_size, self.crop_scale, tensors=self.decoder_in_use() != "pil")
+
+    def eval_transform(self) -> Callable[[Any], Any]:
+        """Resize of the short side, then centre crop; on PIL images (``pil``) or uint8 tensors (the others)."""
+        return presets.eval_transform(self.val_resize, self.crop_size, tensors=self.decoder_in_use() != "pil")
+
+    def _on_cuda(self) -> bool:
+        return self.prefetch_device is not None or (
+            self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        )
+
+    def decoder_in_use(self) -> str:
+        """``decoder``, or for ``auto`` the decoder it stands for on this run's device (logged when it changes)."""
+        if self.decoder != "auto":
+            return self.decoder
+        choice, reason = choose_decoder(self._on_cuda())
+        if choice != self._auto_choice:
+            rank_zero_info(f"Decoder: {choice} (--data.decoder auto: {reason}).")
+            self._auto_choice = choice
+        return choice
+
+    def _memory_format(self) -> torch.memory_format:
+        use = self._on_cuda() if self.channels_last is None else self.channels_last
+        return torch.channels_last if use else torch.contiguous_format
+
+    def _data_seed(self) -> int:
+        if self.seed is not None:
+            return self.seed
+        return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
+
+    def _loader(self, split: str, train: bool) -> PrefetchLoader | DALILoader:
+        decoder = self.decoder_in_use()
+        transform = self.train_transform() if train else self.eval_transform()
+        dataset, collate = decoder_dataset(
+            decoder, self.samples(split), transform, self._memory_format(), train, crop_size=self.crop_size,
+            crop_scale=self.crop_scale, val_resize=self.val_resize, gpu_share=self.gpu_share,
+        )  # fmt: skip
+        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size)
+        if decoder == "dali":
+            return self._dali_loader(split, train, sampler)
+        return PrefetchLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=False,
+            sampler=sampler,
+            num_workers=self.workers,
+            collate_fn=collate,
+            pin_memory=self.pin_memory and self._on_cuda(),
+            persistent_workers=self.workers > 0,
+            drop_last=False,
+            device=self.prefetch_device,
+            mean=self.mean,
+            std=self.std,
+            decode_ahead=self.gpu_decode_ahead,
+        )
+
+    def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None) -> DALILoader:
+        device = self.prefetch_device
+        if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
+            device = self.trainer.strategy.root_device
+        return DALILoader(
+            self.samples(split),
+            self.batch_size,
+            train,
+            self.crop_size,
+            self.val_resize,
+            self.crop_scale,
+            threads=self.workers,
+            sampler=sampler,
+            device=device,
+            channels_last=self._memory_format() == torch.channels_last,
+            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
+            mean=self.mean,
+            std=self.std,
+        )
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""
+        if isinstance(batch, EncodedBatch):
+            return batch.decode(device)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def train_dataloader(self) -> PrefetchLoader | DALILoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> PrefetchLoader | DALILoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> PrefetchLoader | DALILoader:
+        return self._loader("test" if "test" in self._splits else "val", train=False)
+
+    def predict_dataloader(self) -> PrefetchLoader | DALILoader:
+        return self._loader("predict", train=False)

@@ -1,0 +1,199 @@
+"""Decoding images on the CPU, in the loader workers, and reading what the GPU decoder needs from a file.
+
+``load_rgb`` opens any image with PIL as 8-bit RGB (the reference's path); ``load_rgb_tensor``
+decodes with ``torchvision.io`` straight into a uint8 tensor. For ``--data.decoder nvjpeg`` the
+workers only read a JPEG's bytes (``read_bytes``) and its size from the header (``jpeg_size``), and
+hand over an ``EncodedImage``. Every failure raises ``DataError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+from torchvision.io import ImageReadMode, decode_image, read_file
+
+from lit_imagenet.errors import DataError, undecodable_image
+from lit_imagenet.presets import CropBox
+
+JPEG_MAGIC = b"\xff\xd8\xff"
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Opens an image as 8-bit RGB (grayscale, palette, CMYK and alpha images included).
+
+    Raises:
+        DataError: The file cannot be read or decoded; the message names it.
+    """
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            if img.mode == "P" and "transparency" in img.info:
+                img = img.convert("RGBA")
+            return img.convert("RGB")
+    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
+
+
+_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+def load_rgb_tensor(path: str) -> Tensor:
+    """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats).
+
+    ``torchvision.io`` decodes JPEG with libjpeg-turbo straight into a tensor, and the random crop
+    and resize then run on uint8 tensors: no PIL image is made.
+
+    Raises:
+        DataError: The file cannot be read or decoded; the message names it.
+    """
+    if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
+        return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
+    return decode_rgb_bytes(read_bytes(path), path)
+
+
+def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
+    """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
+
+    def check(path: str) -> None:
+        load_rgb(path)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for _ in pool.map(check, paths):
+            pass
+
+
+def read_bytes(path: str) -> Tensor:
+    """A file's bytes as a uint8 tensor.
+
+    Raises:
+        DataError: The file cannot be read; the message names it.
+    """
+    try:
+        return read_file(path)
+    except Exception as err:
+        raise DataError(
+            f"Cannot read image {path} ({type(err).__name__}: {err}); replace or remove the file."
+        ) from None
+
+
+def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
+    """An encoded JPEG, PNG or WebP decoded on the CPU by ``torchvision.io``, as uint8 ``(3, H, W)`` RGB.
+
+    Raises:
+        DataError: The bytes cannot be decoded; the message names ``path``.
+    """
+    try:
+        img = decode_image(data, mode=ImageReadMode.RGB)
+    except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
+        reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else 'empty'}"
+        raise undecodable_image(path, reason) from None
+    if img.dtype != torch.uint8:  # 16-bit PNG
+        img = (img.to(torch.int32) >> 8).to(torch.uint8)
+    return img
+
+
+def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
+    """``(height, width)`` from the header of an encoded image, without decoding it.
+
+    Raises:
+        DataError: The header cannot be read; the message names the file.
+    """
+    try:
+        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
+            width, height = img.size
+    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
+    return height, width
+
+
+# Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+# Most JPEGs' frame header comes within their first kilobytes (after EXIF, up to 64 KiB, or a colour profile).
+_HEADER_BYTES = 1 << 16
+
+
+def _jpeg_frame_size(head: bytes) -> tuple[int, int] | None:
+    """``(height, width)`` from the start-of-frame segment of a JPEG's first bytes, or None if not in them."""
+    pos = 2
+    while pos + 9 <= len(head):
+        if head[pos] != 0xFF:
+            return None
+        marker = head[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _SOF_MARKERS:
+            height = int.from_bytes(head[pos + 5 : pos + 7], "big")
+            width = int.from_bytes(head[pos + 7 : pos + 9], "big")
+            return (height, width) if height > 0 and width > 0 else None
+        if marker == 0xD8 or 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            pos += 2
+            continue
+        pos += 2 + int.from_bytes(head[pos + 2 : pos + 4], "big")
+    return None
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """``(height, width)`` of an image file, from its header: EXIF orientation is not applied.
+
+    A JPEG's frame header is read directly from its first bytes; other formats, and JPEGs whose frame
+    header comes later, are opened with PIL, which reads no more than the header either.
+
+    Raises:
+        DataError: The file cannot be read or its header is not an image's; the message names it.
+    """
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEADER_BYTES)
+            if head[:3] == JPEG_MAGIC and (size := _jpeg_frame_size(head)) is not None:
+                return size
+            f.seek(0)
+            with Image.open(f) as img:
+                width, height = img.size
+    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
+    return height, width
+
+
+def image_sizes(paths: Sequence[str], threads: int = 8) -> np.ndarray:
+    """``image_size`` of many files, read by ``threads`` threads: an int32 ``(N, 2)`` array of heights and widths.
+
+    Raises:
+        DataError: A file's header cannot be read (the first such file in ``paths``).
+    """
+    out = np.empty((len(paths), 2), dtype=np.int32)
+    if not paths:
+        return out
+    chunk = max(1, min(1024, len(paths) // max(1, threads)))
+
+    def read(start: int) -> None:
+        for k in range(start, min(start + chunk, len(paths))):
+            out[k] = image_size(paths[k])
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        for done in pool.map(read, range(0, len(paths), chunk)):
+            del done  # raises the first error, in file order
+    return out
+
+
+def gpu_decodable(data: Tensor) -> bool:
+    """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
+    return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
+
+
+class EncodedImage(NamedTuple):
+    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
+
+    data: Tensor
+    box: CropBox
+    size: int
+    flip: bool
+    path: str

@@ -1,0 +1,137 @@
+"""The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
+
+A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seed``, drawn
+inside ``seeded_rng``), never on which worker loads it or whether the run restarted; a run resumed
+part-way through an epoch continues with the very same batches (``resume_position``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+
+@contextmanager
+def seeded_rng(seed: int | None) -> Iterator[None]:
+    """Draws inside come from torch's CPU generator seeded with ``seed``; its state is restored after.
+
+    torchvision's random transforms draw from that global generator: seeding it per sample makes
+    the augmentation independent of worker count, order and restarts. Only the CPU generator is
+    seeded (``torch.manual_seed`` also seeds every device, and is 15x slower). ``None``: the draws
+    come from the generator as it is, and advance it.
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
+        yield
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The augmentation seed of sample ``index`` in ``epoch`` of a run seeded with ``seed``."""
+    return (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + index) & 0x7FFFFFFFFFFFFFFF
+
+
+class EpochSeededSampler(DistributedSampler):
+    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch.
+
+    It yields ``(index, augmentation seed)`` pairs, so that a sample's crop and flip depend only on
+    the seed, the epoch and the sample, not on which worker loads it or whether the run restarted.
+    Like ``DistributedSampler`` it shards (and pads) across ``num_replicas`` processes; with one
+    process it is a seeded shuffle. ``resume_at`` makes the next pass over ``epoch`` start after the
+    samples already trained on, so a run killed mid-epoch continues with the very same batches.
+
+    Args:
+        dataset: The training dataset.
+        seed: Seed of the order and of the augmentation.
+        num_replicas: Number of processes.
+        rank: This process's rank.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        self._resume: tuple[int, int] | None = None
+
+    def resume_at(self, epoch: int, samples_done: int) -> None:
+        """Sets the epoch, and skips its first ``samples_done`` samples in the next pass only."""
+        self.set_epoch(epoch)
+        self._resume = (epoch, samples_done)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        self._resume = None
+        epoch, seed = self.epoch, self.seed
+        return iter([(i, sample_seed(seed, epoch, i)) for i in indices[start:]])
+
+
+def moves_by_epoch(sampler: object) -> bool:
+    """Whether ``sampler`` is a training order that a loader can move on to its next epoch ahead of time.
+
+    A shuffling sampler that knows its epoch (``EpochSeededSampler``): its next epoch's order is known as
+    soon as the current one is out. Evaluation samplers are not moved on.
+    """
+    return bool(getattr(sampler, "shuffle", False)) and hasattr(sampler, "set_epoch") and hasattr(sampler, "epoch")
+
+
+def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
+    """``(epoch, batches already trained in it)`` for a run restored from a checkpoint (``(0, 0)`` otherwise).
+
+    Read from the fit loop's restored progress, which Lightning loads before it asks for the loader.
+    """
+    loop = trainer.fit_loop
+    if not loop.restarting:
+        return trainer.current_epoch, 0
+    epoch = max(loop.epoch_progress.current.started - 1, 0)
+    done = loop.epoch_loop.batch_progress.current.processed
+    if done >= batches_per_epoch:
+        return epoch + 1, 0
+    return epoch, done
+
+
+class UnpaddedDistributedSampler(DistributedSampler):
+    """Gives each rank every ``num_replicas``-th sample, without padding the shards to one length.
+
+    ``DistributedSampler`` repeats samples so that every rank gets as many; that biases validation
+    metrics whenever the split does not divide by the number of processes. Here the shards differ
+    by at most one sample and every sample is seen exactly once, so summed metrics are exact.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+        self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
+        self.total_size = len(dataset)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def split_sampler(
+    dataset: Dataset, train: bool, seed: int, trainer: pl.Trainer | None, batch_size: int
+) -> DistributedSampler | None:
+    """The sampler of a split's loader, for this process of the trainer's run (one process without a trainer).
+
+    Training: an ``EpochSeededSampler``, set to the restored position of a resumed run. Evaluation:
+    an ``UnpaddedDistributedSampler`` under DDP, else none (the loader's own order).
+    """
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    if train:
+        sampler = EpochSeededSampler(dataset, seed, world, rank)
+        if trainer is not None:
+            epoch, done = resume_position(trainer, math.ceil(len(sampler) / batch_size))
+            sampler.resume_at(epoch, done * batch_size)
+        return sampler
+    if world > 1:
+        return UnpaddedDistributedSampler(dataset, world, rank)
+    return None
