@@ -15,13 +15,16 @@ own shard, rather than the whole list with DALI's ``shard_id``/``num_shards``, w
 length: under DDP every process must train the same number of batches.
 
 DALI's own random crop (``decoders.image_random_crop``) draws from generators that advance with every
-batch, so a run resumed part-way through an epoch could not draw the same crops again. Here the crop
-window is computed in the pipeline from the image size (read from the header by ``peek_image_shape``)
-and uniform numbers derived from each sample's seed, with RandomResizedCrop's rule (up to ten tries of
-an area fraction in ``crop_scale`` and an aspect ratio in (3/4, 4/3), else a centre crop), and
-``decoders.image_slice`` decodes that window: the same fused ROI decoding. ``crop_window`` is the rule
-in Python. A pass starts a new pipeline reading the files in the sampler's order, so a resumed epoch
-starts at the first batch not yet trained on.
+batch, so a run resumed part-way through an epoch could not draw the same crops again. Here each crop
+window comes from the image's size and uniform numbers derived from the sample's seed, with
+RandomResizedCrop's rule (up to ten tries of an area fraction in ``crop_scale`` and an aspect ratio in
+(3/4, 4/3), else a centre crop), and ``decoders.image_slice`` decodes that window: the same fused ROI
+decoding. The windows are computed with numpy, a batch at a time, in the pipeline's external source
+(``crop_windows``; ``crop_window`` is the rule for one image); the sizes are read from the files'
+headers once per loader (``image_sizes``), the first time a pass needs them. Computed with DALI's
+arithmetic operators instead, the windows took DALI's CPU threads longer than reading the files. A
+pass starts a new pipeline reading the files in the sampler's order, so a resumed epoch starts at the
+first batch not yet trained on.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from lit_imagenet.decoding import image_sizes, load_rgb
 from lit_imagenet.errors import ConfigError, DataError
-from lit_imagenet.gpu_decode import CropBox
-from lit_imagenet.prefetch import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, CropBox
+from lit_imagenet.samplers import moves_by_epoch
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -153,83 +157,103 @@ def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, 
     return CropBox((height - h) // 2, (width - w) // 2, h, w)
 
 
+def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
+    """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
+
+    Args:
+        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        draws: ``(N, 23)`` rows of ``crop_draws``.
+        ratio: The aspect ratio range the draws were made for.
+    """
+    t = CROP_TRIES
+    height = sizes[:, 0:1].astype(np.float64)
+    width = sizes[:, 1:2].astype(np.float64)
+    area = height * width
+    s, r = draws[:, :t], draws[:, t : 2 * t]
+    w = np.floor(np.sqrt(area * s * r) + 0.5)
+    h = np.floor(np.sqrt(area * s / r) + 0.5)
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    found = fits.any(axis=1)
+    first = fits.argmax(axis=1)[:, None]  # the first try that fits
+    rows = np.arange(len(sizes))
+    fit_w, fit_h = np.take_along_axis(w, first, 1)[:, 0], np.take_along_axis(h, first, 1)[:, 0]
+    height, width = height[:, 0], width[:, 0]
+    centre_w = np.minimum(width, np.floor(height * ratio[1] + 0.5))
+    centre_h = np.minimum(height, np.floor(width / ratio[0] + 0.5))
+    out_w = np.where(found, fit_w, centre_w)
+    out_h = np.where(found, fit_h, centre_h)
+    top = np.where(found, np.floor(draws[rows, 2 * t] * (height - out_h + 1)), (height - out_h) // 2)
+    left = np.where(found, np.floor(draws[rows, 2 * t + 1] * (width - out_w + 1)), (width - out_w) // 2)
+    return np.stack([top, left, out_h, out_w], axis=1).astype(np.int32)
+
+
 def flips(draws: np.ndarray) -> np.ndarray:
     """Which samples of ``crop_draws`` are mirrored, as int32 0 or 1."""
     return (draws[:, 2 * CROP_TRIES + 2] < 0.5).astype(np.int32)
 
 
-def _crop_window_nodes(shape: Any, draws: Any, ratio: tuple[float, float]) -> tuple[Any, Any]:
-    """``crop_window`` in DALI operations on each sample's ``(H, W, C)`` and draws: ``(anchor, size)``, x first."""
-    import nvidia.dali.fn as fn
-    import nvidia.dali.math as dmath
-    import nvidia.dali.types as types
-
-    t = CROP_TRIES
-    height, width = shape[0], shape[1]
-    area = height * width
-    s, r = draws[0:t], draws[t : 2 * t]
-    w = dmath.floor(dmath.sqrt(area * s * r) + 0.5)
-    h = dmath.floor(dmath.sqrt(area * s / r) + 0.5)
-    fits = (w <= width) & (h <= height) & (w > 0) & (h > 0)
-    # The first box that fits: fitting tries are ranked t, t-1, ... 1 and the top rank picks it. DALI's
-    # reductions take no float64; the ranks and sizes are whole numbers, exact in float32.
-    rank = fn.cast(fits * types.Constant(np.arange(t, 0, -1, dtype=np.int32)), dtype=types.FLOAT)
-    best = fn.reductions.max(rank)
-    found = best > 0
-    picked = (rank == best) & found
-    fit_w = fn.reductions.max(fn.cast(picked * w, dtype=types.FLOAT))
-    fit_h = fn.reductions.max(fn.cast(picked * h, dtype=types.FLOAT))
-    w = found * fit_w + (1 - found) * dmath.min(width, dmath.floor(height * ratio[1] + 0.5))
-    h = found * fit_h + (1 - found) * dmath.min(height, dmath.floor(width / ratio[0] + 0.5))
-    top = found * dmath.floor(draws[2 * t] * (height - h + 1)) + (1 - found) * dmath.floor((height - h) / 2)
-    left = found * dmath.floor(draws[2 * t + 1] * (width - w + 1)) + (1 - found) * dmath.floor((width - w) / 2)
-    anchor = fn.cast(fn.stack(left, top), dtype=types.INT32)
-    size = fn.cast(fn.stack(w, h), dtype=types.INT32)
-    return anchor, size
-
-
-def _eval_geometry(shape: Any, resize: int, crop: int) -> tuple[Any, Any, Any, Any]:
-    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, as DALI operations.
+def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
 
     The long side is ``int(resize * long / short)`` and the crop starts at ``round((side - crop) / 2)``
     (half to even), as torchvision computes them, so the batches match the other decoders' to a grey level.
-    """
-    import nvidia.dali.math as dmath
 
-    height, width = shape[0], shape[1]
+    Args:
+        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        resize: The short side after resizing.
+        crop: The side of the centre crop.
+
+    Returns:
+        float32 ``(N, 2)`` arrays: the resized ``(width, height)``, and the crop's position as
+        ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``.
+    """
+    height = sizes[:, 0].astype(np.float64)
+    width = sizes[:, 1].astype(np.float64)
     wide = width >= height
-    new_h = wide * resize + (1 - wide) * dmath.floor(resize * height / width)
-    new_w = (1 - wide) * resize + wide * dmath.floor(resize * width / height)
-
-    def half_to_even(x: Any) -> Any:
-        whole = dmath.floor(x)
-        odd = whole - 2 * dmath.floor(whole / 2)
-        return whole + (x - whole > 0.5) + (x - whole == 0.5) * odd
-
-    # crop_mirror_normalize places the crop at pos * (side - crop): a whole number of pixels here.
-    pos_y = half_to_even((new_h - crop) / 2) / dmath.max(new_h - crop, 1)
-    pos_x = half_to_even((new_w - crop) / 2) / dmath.max(new_w - crop, 1)
-    return new_w, new_h, pos_x, pos_y
+    new_h = np.where(wide, resize, np.floor(resize * height / width))
+    new_w = np.where(wide, np.floor(resize * width / height), resize)
+    pos_x = np.round((new_w - crop) / 2) / np.maximum(new_w - crop, 1)
+    pos_y = np.round((new_h - crop) / 2) / np.maximum(new_h - crop, 1)
+    return np.stack([new_w, new_h], 1).astype(np.float32), np.stack([pos_x, pos_y], 1).astype(np.float32)
 
 
-class _DrawSource:
-    """The external source of a training pipeline: batch ``i``'s crop draws and flips, in the reader's order.
+class _GeometrySource:
+    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions."""
 
-    Drawn batch by batch (microseconds each): an epoch's worth for ImageNet would take 235 MB.
+    def __init__(self, sizes: np.ndarray, batch_size: int, resize: int, crop: int) -> None:
+        self.sizes, self.positions = eval_geometry(sizes, resize, crop)
+        self.batch_size = batch_size
+        self.batches = max(1, math.ceil(len(sizes) / batch_size))
+
+    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+        start = (iteration % self.batches) * self.batch_size
+        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.sizes) - 1)
+        return self.sizes[rows], self.positions[rows]
+
+
+class _CropSource:
+    """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
+
+    Computed batch by batch with numpy from the samples' seeds and image sizes (tens of microseconds a
+    batch), so that DALI's CPU threads only read and hand over the files.
     """
 
-    def __init__(self, seeds: Sequence[int], batch_size: int, scale: tuple[float, float]) -> None:
+    def __init__(self, seeds: Sequence[int], sizes: np.ndarray, batch_size: int, scale: tuple[float, float]) -> None:
         self.seeds = np.asarray(seeds, dtype=np.uint64)
+        self.sizes = sizes
         self.batch_size = batch_size
         self.scale = scale
         self.batches = max(1, math.ceil(len(self.seeds) / batch_size))
 
-    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         # The reader pads the last batch with its last sample and then starts over: the same here.
         start = (iteration % self.batches) * self.batch_size
         rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
         draws = crop_draws(self.seeds[rows], self.scale)
-        return draws, flips(draws)
+        box = crop_windows(self.sizes[rows], draws)
+        anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
+        shape = np.ascontiguousarray(box[:, [3, 2]])  # and (width, height)
+        return anchor, shape, flips(draws)
 
 
 class DALILoader:
@@ -296,7 +320,9 @@ class DALILoader:
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.hw_decoder_load = hw_decoder_load
+        self._sizes = np.zeros((len(self.samples), 2), dtype=np.int32)  # 0: not read yet
         self._active: Generator[list[Tensor], None, None] | None = None
+        self._next_epoch: tuple[int, _Pass | None] | None = None
 
     def __len__(self) -> int:
         count = len(self.sampler) if self.sampler is not None else len(self.samples)  # type: ignore[arg-type]
@@ -320,7 +346,7 @@ class DALILoader:
             return [int(i) for i, _ in items], [int(s) for _, s in items]
         return [int(i) for i in items], []
 
-    def _pipeline(self, files: list[str], labels: list[int], seeds: list[int]) -> Any:
+    def _pipeline(self, files: list[str], labels: list[int], seeds: list[int], sizes: np.ndarray) -> Any:
         from nvidia.dali import fn, pipeline_def, types
 
         cuda = self.device is not None
@@ -339,16 +365,14 @@ class DALILoader:
             encoded, label = fn.readers.file(
                 files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
             )
-            shape = fn.peek_image_shape(encoded, adjust_orientation=False, dtype=types.FLOAT64)
             mirror: Any = 0
             if self.train:
-                draws, mirror = fn.external_source(
-                    source=_DrawSource(seeds, self.batch_size, self.crop_scale),
-                    num_outputs=2,
+                anchor, box, mirror = fn.external_source(
+                    source=_CropSource(seeds, sizes, self.batch_size, self.crop_scale),
+                    num_outputs=3,
                     batch=True,
-                    dtype=[types.FLOAT64, types.INT32],
+                    dtype=[types.INT32, types.INT32, types.INT32],
                 )
-                anchor, box = _crop_window_nodes(shape, draws, CROP_RATIO)
                 images = fn.decoders.image_slice(
                     encoded, anchor, box, normalized_anchor=False, normalized_shape=False, device=decode_device,
                     **decode_args,
@@ -357,16 +381,14 @@ class DALILoader:
                 crop: dict[str, Any] = {}
             else:
                 images = fn.decoders.image(encoded, device=decode_device, **decode_args)
-                new_w, new_h, pos_x, pos_y = _eval_geometry(shape, self.val_resize, size)
-                images = fn.resize(
-                    images, resize_x=fn.cast(new_w, dtype=types.FLOAT), resize_y=fn.cast(new_h, dtype=types.FLOAT),
-                    antialias=True,
-                )  # fmt: skip
-                crop = {
-                    "crop": (size, size),
-                    "crop_pos_x": fn.cast(pos_x, dtype=types.FLOAT),
-                    "crop_pos_y": fn.cast(pos_y, dtype=types.FLOAT),
-                }
+                resized, position = fn.external_source(
+                    source=_GeometrySource(sizes, self.batch_size, self.val_resize, size),
+                    num_outputs=2,
+                    batch=True,
+                    dtype=[types.FLOAT, types.FLOAT],
+                )
+                images = fn.resize(images, resize_x=resized[0], resize_y=resized[1], antialias=True)
+                crop = {"crop": (size, size), "crop_pos_x": position[0], "crop_pos_y": position[1]}
             images = fn.crop_mirror_normalize(
                 images,
                 dtype=types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT,
@@ -381,42 +403,100 @@ class DALILoader:
 
         return pipeline()
 
-    def __iter__(self) -> Iterator[list[Tensor]]:
-        if self._active is not None:
-            self._active.close()  # a pass left part-way (limit_*_batches): its pipeline goes first
-        self._active = self._batches()
-        return self._active
+    def _starts_next_epoch_early(self) -> bool:
+        return self.train and moves_by_epoch(self.sampler)
 
-    def _batches(self) -> Generator[list[Tensor], None, None]:
+    def _image_sizes(self, indices: list[int]) -> np.ndarray:
+        """The ``(height, width)`` of these samples' images, from their headers, each file read once per loader."""
+        where = np.asarray(indices, dtype=np.int64)
+        missing = np.unique(where[self._sizes[where, 0] == 0])
+        if len(missing):
+            self._sizes[missing] = image_sizes([self.samples[i][0] for i in missing], self.threads)
+        return self._sizes[where]
+
+    def _start(self) -> _Pass | None:
+        """Builds the pipeline of a pass in the sampler's current order; DALI starts preparing its first batches."""
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         indices, seeds = self._order()
         if not indices:  # a shard with no samples, or an epoch resumed after its last batch
-            return
+            return None
         files = [self.samples[i][0] for i in indices]
         labels = [int(self.samples[i][1]) for i in indices]
-        source = None
-        batch = 0
+        sizes = self._image_sizes(indices)
         try:
-            pipe = self._pipeline(files, labels, seeds)
+            pipe = self._pipeline(files, labels, seeds, sizes)
             source = DALIGenericIterator(
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
+        except RuntimeError as err:
+            raise _named_error(err, files, 0, self.batch_size, self.threads) from None
+        return _Pass(files, source)
+
+    def _start_next_epoch(self) -> None:
+        epoch = int(self.sampler.epoch) + 1  # type: ignore[union-attr]
+        self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        try:
+            self._next_epoch = (epoch, self._start())
+        except DataError:
+            self._next_epoch = None  # the pass asked for next builds it again, and stops on the error there
+
+    def __iter__(self) -> Iterator[list[Tensor]]:
+        if self._active is not None:
+            self._active.close()  # a pass left part-way (limit_*_batches): its pipeline goes first
+        early, self._next_epoch = self._next_epoch, None
+        started: _Pass | None | bool = False
+        if early is not None and early[0] == getattr(self.sampler, "epoch", None):
+            started = early[1]  # built when the last epoch ran out, for the epoch asked for now
+        elif early is not None and early[1] is not None:
+            early[1].source = None  # the epoch asked for is another one (a resume): that pipeline goes
+        self._active = self._batches(started)
+        return self._active
+
+    def _batches(self, started: _Pass | None | bool) -> Generator[list[Tensor], None, None]:
+        """Yields a pass's batches; on the last one of a training epoch, builds the next epoch's pipeline.
+
+        Lightning stops asking once it has the epoch's last batch. Built then, the next pipeline reads,
+        decodes and resizes its first batches during validation and checkpointing, instead of the GPU
+        waiting for them at the next epoch's start (``PrefetchLoader`` moves its workers on likewise).
+        """
+        current = self._start() if started is False else started
+        if current is None:
+            return
+        early = self._starts_next_epoch_early()
+        total = len(self) if early else -1
+        batch = 0
+        try:
             while True:
                 try:
-                    out = next(source)[0]
+                    out = next(current.source)[0]
                 except StopIteration:
-                    return
+                    break
                 images = out["images"]
                 if self.channels_last:
                     images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last, no copy
-                yield [images, out["labels"]]
                 batch += 1
+                if batch == total:
+                    current.source = None  # this pipeline is done: it goes before the next one is built
+                    self._start_next_epoch()
+                    yield [images, out["labels"]]
+                    return
+                yield [images, out["labels"]]
         except RuntimeError as err:
-            raise _named_error(err, files, batch, self.batch_size, self.threads) from None
+            raise _named_error(err, current.files, batch, self.batch_size, self.threads) from None
         finally:
-            del source
+            current.source = None
+        if early and batch > 0:  # a shorter pass (resumed part-way) ran out
+            self._start_next_epoch()
+
+
+class _Pass:
+    """A pass's pipeline (behind DALI's iterator) and the files it reads, in order, for naming a bad one."""
+
+    def __init__(self, files: list[str], source: Any) -> None:
+        self.files = files
+        self.source = source
 
 
 def _named_error(err: RuntimeError, files: list[str], batch: int, batch_size: int, threads: int) -> Exception:
@@ -427,8 +507,6 @@ def _named_error(err: RuntimeError, files: list[str], batch: int, batch_size: in
     once more with PIL, and the first that fails is named with PIL's reason. A file that PIL reads
     but DALI does not is named when DALI's message names it.
     """
-    from lit_imagenet.data import load_rgb  # here: data.py imports this module
-
     window = files[batch * batch_size : (batch + 1 + _BATCHES_AHEAD) * batch_size]
 
     def check(path: str) -> DataError | None:

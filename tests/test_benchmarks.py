@@ -17,7 +17,16 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def test_throughput_smoke(tmp_path: Path) -> None:
     out = tmp_path / "throughput"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out)],
+        [
+            sys.executable,
+            str(REPO / "benchmarks/throughput.py"),
+            "--smoke",
+            "--out",
+            str(out),
+            "--decoders",
+            "pil",
+            "nvjpeg",
+        ],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -32,7 +41,6 @@ def test_throughput_smoke(tmp_path: Path) -> None:
         ("loop", "resnet18"),
         ("fit-synthetic", "resnet18"),
         ("fit-pil", "resnet18"),
-        ("fit-torchvision", "resnet18"),
         ("fit-nvjpeg", "resnet18"),
     ]
     for row in rows:
@@ -163,6 +171,30 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
     assert "FAIL  test_multi_gpu::test_b" in text
 
 
+def test_gpu_check_keeps_the_rows_of_other_test_shares_of_the_same_code(tmp_path: Path, monkeypatch) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "_machine", lambda: {"gpus": ["H", "H"]})
+    tree = {"digest": "a"}
+    monkeypatch.setattr(gpu_check, "tree_digest", lambda: tree["digest"])
+    results = {"x": [{"row": "test_x::t", "ok": True}], "y": [{"row": "test_y::t", "ok": False}]}
+    monkeypatch.setattr(gpu_check, "run_tests", lambda out, args: results[args[0]])
+    record = tmp_path / "record.json"
+
+    def check(share: str) -> dict:
+        gpu_check.main(["--part", "tests", "--out", str(tmp_path), "--record", str(record), "--pytest-args", share])
+        return json.loads(record.read_text())["parts"]["tests"]
+
+    check("x")
+    both = check("y")
+    assert [r["row"] for r in both["rows"]] == ["test_x::t", "test_y::t"]
+    assert (both["passed"], both["failed"], both["pytest_args"]) == (1, 1, ["x", "y"])
+    tree["digest"] = "b"  # other code: the earlier share is not this code's result
+    assert [r["row"] for r in check("x")["rows"]] == ["test_x::t"]
+
+
 @pytest.mark.dali
 def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
     """``--decoders dali`` gives a fit-dali row beside model-alone, and a loader_speed row."""
@@ -187,3 +219,14 @@ def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (row,) = json.loads(speed.read_text())["loaders"]
     assert row["decoder"] == "dali" and row["batches"] == 2 and row["images_per_sec"] > 0
+
+
+@pytest.mark.dali
+def test_dali_cpu_ops_times_each_stage(shapes_root: Path, capsys) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dali_cpu_ops
+
+    dali_cpu_ops.main(["--data", str(shapes_root), "--threads", "1", "--batch-size", "4", "--batches", "1"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("threads")]
+    assert len(lines) == 3 and "us per file" in lines[0] and all("images/s" in line for line in lines[1:])
+    assert "crop windows" in lines[2]

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,18 +14,19 @@ import torch
 from PIL import Image
 
 from lit_imagenet.dali import (
-    CROP_RATIO,
     DALILoader,
     batch_dtype,
     choose_decoder,
     crop_draws,
     crop_window,
+    crop_windows,
     dali_install_command,
     flips,
 )
-from lit_imagenet.data import DataError, EpochSeededSampler, ImageFolderDataModule, UnpaddedDistributedSampler
-from lit_imagenet.errors import ConfigError
-from lit_imagenet.prefetch import IMAGENET_STD, Uint8Normalize
+from lit_imagenet.datamodule import ImageFolderDataModule
+from lit_imagenet.errors import ConfigError, DataError
+from lit_imagenet.presets import IMAGENET_STD, Uint8Normalize
+from lit_imagenet.samplers import EpochSeededSampler, UnpaddedDistributedSampler
 from tests.cli_args import fit_args
 from tests.runs import final_checkpoint, network
 from tests.test_resume import _start, kill_when
@@ -113,31 +115,49 @@ def test_training_batches_are_the_drawn_crops(varied_root: Path, scale) -> None:
     assert levels(images, _pil_training_batch(dm, order, 32, shift=1)).mean() > 10 * diff.mean()
 
 
-def test_the_pipeline_computes_crop_window(tmp_path: Path) -> None:
-    """The crop window computed by DALI operators equals ``crop_window``, for many sizes, the fallback included."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    from lit_imagenet.dali import _crop_window_nodes
-
+def test_crop_windows_equal_crop_window_image_by_image() -> None:
+    """The batch computation of the pipeline's crop windows equals ``crop_window``, the fallback included."""
     rng = np.random.default_rng(1)
-    n = 512
-    shapes = np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n), np.full(n, 3)], 1).astype(np.float64)
-    shapes[:64, 0], shapes[:64, 1] = rng.integers(1, 6, 64), rng.integers(200, 900, 64)  # no try fits: the centre
+    n = 4096
+    sizes = np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n)], 1).astype(np.int32)
+    sizes[:64, 0], sizes[:64, 1] = rng.integers(1, 6, 64), rng.integers(200, 900, 64)  # no try fits: the centre
     draws = crop_draws(rng.integers(0, 2**62, n).tolist(), (0.08, 1.0))
-    draws[64:128, :10] = 0.95 + 0.05 * draws[64:128, :10]  # large areas: some tries fail before one fits
+    draws[64:512, :10] = 0.95 + 0.05 * draws[64:512, :10]  # large areas: some tries fail before one fits
 
-    @pipeline_def(batch_size=n, num_threads=1, device_id=None)
-    def pipeline():
-        shape = fn.external_source(source=lambda: shapes, batch=True, dtype=types.FLOAT64)
-        draw = fn.external_source(source=lambda: draws, batch=True, dtype=types.FLOAT64)
-        return _crop_window_nodes(shape, draw, CROP_RATIO)
+    boxes = crop_windows(sizes, draws)
+    expected = [tuple(crop_window(int(h), int(w), d)) for (h, w), d in zip(sizes, draws)]
+    assert [tuple(int(v) for v in box) for box in boxes] == expected
+    assert all(b[0] == 0 and b[2] == h for b, (h, _) in zip(expected[:64], sizes))  # the fallback was taken
+    area = sizes[64:512, 0].astype(float) * sizes[64:512, 1]
+    first_w = np.floor(np.sqrt(area * draws[64:512, 0] * draws[64:512, 10]) + 0.5)
+    first_h = np.floor(np.sqrt(area * draws[64:512, 0] / draws[64:512, 10]) + 0.5)
+    first_fails = (first_w > sizes[64:512, 1]) | (first_h > sizes[64:512, 0])
+    assert first_fails.sum() > 50 and (boxes[64:512, 0][first_fails] >= 0).all()  # later tries were taken too
 
-    pipe = pipeline()
-    pipe.build()
-    anchors, sizes = (np.asarray(out.as_tensor()) for out in pipe.run())
-    expected = [crop_window(int(h), int(w), d) for (h, w, _), d in zip(shapes, draws)]
-    assert [tuple(b) for b in expected] == [(a[1], a[0], s[1], s[0]) for a, s in zip(anchors, sizes)]
-    assert all(b.top == 0 and b.height == h for b, (h, _, _) in zip(expected[:64], shapes))
+
+def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
+    """Sizes from the files' headers (the crop windows' input): JPEG with EXIF, progressive, PNG, grey, CMYK."""
+    from PIL import Image
+
+    from lit_imagenet.decoding import image_size, image_sizes
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for k, (mode, ext, options) in enumerate([
+        ("RGB", "jpg", {}), ("RGB", "jpg", {"progressive": True}), ("L", "jpg", {}),
+        ("RGB", "jpg", {"exif": b"Exif\x00\x00" + bytes(60_000), "icc_profile": bytes(30_000)}),  # frame after 64 KiB
+        ("CMYK", "jpg", {}), ("RGB", "png", {}), ("L", "png", {}), ("RGB", "bmp", {}),
+    ]):  # fmt: skip
+        img = Image.fromarray(rng.integers(0, 256, (37 + k, 53 - k, 3), dtype=np.uint8)).convert(mode)
+        path = tmp_path / f"{k}.{ext}"
+        img.save(path, **options)
+        paths.append(str(path))
+    expected = [Image.open(p).size[::-1] for p in paths]
+    assert [image_size(p) for p in paths] == expected
+    assert image_sizes(paths, threads=3).tolist() == [list(e) for e in expected]
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff" + bytes(100))
+    with pytest.raises(DataError, match=f"^Cannot decode image {tmp_path / 'bad.jpg'} .*replace or remove the file"):
+        image_sizes([paths[0], str(tmp_path / "bad.jpg"), paths[1]], threads=2)
 
 
 def test_crop_window_follows_random_resized_crop() -> None:
@@ -181,6 +201,40 @@ def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path)
     for (x, y), (ex, ey) in zip(rest, expected[2:]):
         assert torch.equal(x, ex) and torch.equal(y, ey)
     assert len(list(resumed)) == len(expected)  # only the first pass skips
+
+
+def test_the_next_epoch_pipeline_starts_at_the_last_batch_and_gives_that_epochs_batches(
+    shapes_root: Path, monkeypatch
+) -> None:
+    """The pipeline of epoch 1 is built when epoch 0's last batch is handed over (it decodes during validation),
+    and its batches are those of a loader asked for epoch 1 from the start."""
+    builds: list[int] = []
+    pipeline = DALILoader._pipeline
+
+    def counted(self, files, labels, seeds, sizes):
+        builds.append(int(self.sampler.epoch))
+        return pipeline(self, files, labels, seeds, sizes)
+
+    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    loader = _module(shapes_root).train_dataloader()
+    loader.sampler.set_epoch(0)
+    passes = iter(loader)
+    for _ in range(len(loader) - 1):
+        next(passes)
+    assert builds == [0]
+    next(passes)  # the epoch's last batch
+    assert builds == [0, 1]
+    loader.sampler.set_epoch(1)  # as Lightning does at the epoch's start: the pipeline built early is used
+    second = list(loader)
+    assert builds == [0, 1, 2]
+    fresh = _module(shapes_root).train_dataloader()
+    fresh.sampler.set_epoch(1)
+    expected = list(fresh)
+    assert len(second) == len(expected) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(second, expected))
+    loader.sampler.set_epoch(5)  # another epoch than the one built ahead (a resume): built anew for it
+    builds.clear()
+    assert len(list(loader)) == 4 and builds == [5, 6]
 
 
 @pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated", "half"])
@@ -255,13 +309,13 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
             batch_size=8, workers=2,
         )  # fmt: skip
 
-    whole = tmp_path / "whole"
-    proc = _start(args(whole), tmp_path)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-
-    cut = tmp_path / "cut"
-    killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step % 3 != 0, timeout=300)
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one that is killed
+        whole_run = _start(args(whole), tmp_path)
+        whole_output = pool.submit(whole_run.communicate, timeout=300)
+        killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step % 3 != 0, timeout=300)
+        out, _ = whole_output.result()
+    assert whole_run.returncode == 0, out[-3000:]
 
     proc = _start(args(cut, "--ckpt_path", "last"), tmp_path)
     out, _ = proc.communicate(timeout=300)
@@ -344,7 +398,7 @@ def test_auto_picks_dali_on_cuda_else_pil_and_says_why(shapes_root: Path, tmp_pa
 
 
 def test_importing_the_package_does_not_import_dali() -> None:
-    code = "import sys, lit_imagenet, lit_imagenet.data, lit_imagenet.cli; print('nvidia.dali' in sys.modules)"
+    code = "import sys, lit_imagenet, lit_imagenet.datamodule, lit_imagenet.cli; print('nvidia.dali' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, check=True)  # fmt: skip
     assert out.stdout.strip() == "False"
