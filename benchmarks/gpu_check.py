@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
     parser.add_argument("--decoders", nargs="+", default=None,
                         help="fit rows (default: pil torchvision nvjpeg, and dali when it imports)")  # fmt: skip
-    parser.add_argument("--pytest-args", default="", help="more pytest arguments (tests part), e.g. a test file")
+    parser.add_argument("--pytest-args", default="",
+                        help="more pytest arguments (tests part), e.g. a test file; the rows of earlier runs with "
+                        "other arguments at the same code are kept beside this run's")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -151,13 +153,21 @@ def main(argv: list[str] | None = None) -> int:
             rows = run_tests(args.out, shlex.split(args.pytest_args))
         else:
             rows = run_bench(args.out, decoders, args.extra)
+        earlier = record["parts"].get(part, {})
+        runs = [args.pytest_args] if part == "tests" and args.pytest_args else []
+        if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get("pytest_args"):
+            # Another share of the same code's tests (e.g. where one command may only run so long): kept beside.
+            names = {r["row"] for r in rows}
+            rows = [r for r in earlier["rows"] if r["row"] not in names] + rows
+            kept = earlier["pytest_args"]
+            runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
         failed = sum(not r["ok"] for r in rows)
         now = datetime.datetime.now().isoformat(timespec="seconds")
         record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
                                  "passed": len(rows) - failed,
                                  "failed": failed, "rows": rows}  # fmt: skip
-        if part == "tests" and args.pytest_args:
-            record["parts"][part]["pytest_args"] = args.pytest_args
+        if runs:
+            record["parts"][part]["pytest_args"] = runs
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=2) + "\n")
     print("\n" + summary(record))

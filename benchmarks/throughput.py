@@ -194,7 +194,7 @@ def _timed_epochs(name: str, args: argparse.Namespace, device: torch.device, run
 
 def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """SGD steps on a random uint8 batch already on the device, normalised there at each step."""
-    from lit_imagenet.prefetch import Uint8Normalize
+    from lit_imagenet.presets import Uint8Normalize
 
     model, optimizer, scaler, criterion = _training_parts(arch, args, device)
     normalize = Uint8Normalize().to(device)
@@ -217,8 +217,11 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
     from torch.utils.data import DataLoader
     from torchvision import transforms
 
-    from lit_imagenet.data import ImageFolderDataset, collate_uint8, load_rgb, scan_split
-    from lit_imagenet.prefetch import CUDAPrefetcher, Uint8Normalize
+    from lit_imagenet.datasets import ImageFolderDataset, collate_uint8
+    from lit_imagenet.decoding import load_rgb
+    from lit_imagenet.folders import scan_split
+    from lit_imagenet.prefetch import CUDAPrefetcher
+    from lit_imagenet.presets import Uint8Normalize
 
     cuda = device.type == "cuda"
     _, samples = scan_split(root / "train")
