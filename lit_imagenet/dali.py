@@ -280,6 +280,9 @@ class DALILoader:
         mean: Per-channel mean of images scaled to [0, 1].
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
+        max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None
+            for all. The reader then holds only their files, so that each pass reads them all and the
+            pipeline is kept for the next pass instead of being built again.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -300,6 +303,7 @@ class DALILoader:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         hw_decoder_load: float = HW_DECODER_LOAD,
+        max_batches: int | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"DALI batches are float32 or float16. Got {dtype}")
@@ -320,13 +324,16 @@ class DALILoader:
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.hw_decoder_load = hw_decoder_load
+        self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
+        self._kept: _Pass | None = None  # an evaluation pipeline that read a whole pass, ready for the next
         self._sizes = np.zeros((len(self.samples), 2), dtype=np.int32)  # 0: not read yet
         self._active: Generator[list[Tensor], None, None] | None = None
         self._next_epoch: tuple[int, _Pass | None] | None = None
 
     def __len__(self) -> int:
         count = len(self.sampler) if self.sampler is not None else len(self.samples)  # type: ignore[arg-type]
-        return math.ceil(count / self.batch_size)
+        batches = math.ceil(count / self.batch_size)
+        return batches if self.max_batches is None else min(batches, self.max_batches)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's seed, saved in checkpoints, as ``PrefetchLoader`` saves it."""
@@ -339,12 +346,13 @@ class DALILoader:
 
     def _order(self) -> tuple[list[int], list[int]]:
         """The sample indices of this pass and, for training, their augmentation seeds."""
-        if self.sampler is None:
-            return list(range(len(self.samples))), []
-        items = list(self.sampler)
         if self.train:
+            items = list(self.sampler) if self.sampler is not None else [(i, 0) for i in range(len(self.samples))]
             return [int(i) for i, _ in items], [int(s) for _, s in items]
-        return [int(i) for i in items], []
+        indices = [int(i) for i in self.sampler] if self.sampler is not None else list(range(len(self.samples)))
+        if self.max_batches is not None:
+            indices = indices[: self.max_batches * self.batch_size]
+        return indices, []
 
     def _pipeline(self, files: list[str], labels: list[int], seeds: list[int], sizes: np.ndarray) -> Any:
         from nvidia.dali import fn, pipeline_def, types
@@ -432,7 +440,7 @@ class DALILoader:
             )
         except RuntimeError as err:
             raise _named_error(err, files, 0, self.batch_size, self.threads) from None
-        return _Pass(files, source)
+        return _Pass(files, source, indices)
 
     def _start_next_epoch(self) -> None:
         epoch = int(self.sampler.epoch) + 1  # type: ignore[union-attr]
@@ -451,6 +459,11 @@ class DALILoader:
             started = early[1]  # built when the last epoch ran out, for the epoch asked for now
         elif early is not None and early[1] is not None:
             early[1].source = None  # the epoch asked for is another one (a resume): that pipeline goes
+        kept, self._kept = self._kept, None
+        if kept is not None and kept.indices == self._order()[0]:
+            started = kept  # an evaluation pipeline that read the same files last time, rewound
+        elif kept is not None:
+            kept.source = None
         self._active = self._batches(started)
         return self._active
 
@@ -460,12 +473,14 @@ class DALILoader:
         Lightning stops asking once it has the epoch's last batch. Built then, the next pipeline reads,
         decodes and resizes its first batches during validation and checkpointing, instead of the GPU
         waiting for them at the next epoch's start (``PrefetchLoader`` moves its workers on likewise).
+        An evaluation pipeline that hands over the last batch of its files is rewound and kept for the
+        next pass, which reads the same files: building a pipeline takes a good part of a second.
         """
         current = self._start() if started is False else started
         if current is None:
             return
         early = self._starts_next_epoch_early()
-        total = len(self) if early else -1
+        total = len(self)
         batch = 0
         try:
             while True:
@@ -477,16 +492,22 @@ class DALILoader:
                 if self.channels_last:
                     images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last, no copy
                 batch += 1
-                if batch == total:
+                if batch == total and early:
                     current.source = None  # this pipeline is done: it goes before the next one is built
                     self._start_next_epoch()
+                    yield [images, out["labels"]]
+                    return
+                if batch == total and not self.train:
+                    current.source.reset()  # all its files read: back to the first batch, for the next pass
+                    self._kept = current
                     yield [images, out["labels"]]
                     return
                 yield [images, out["labels"]]
         except RuntimeError as err:
             raise _named_error(err, current.files, batch, self.batch_size, self.threads) from None
         finally:
-            current.source = None
+            if current is not self._kept:
+                current.source = None
         if early and batch > 0:  # a shorter pass (resumed part-way) ran out
             self._start_next_epoch()
 
@@ -494,9 +515,10 @@ class DALILoader:
 class _Pass:
     """A pass's pipeline (behind DALI's iterator) and the files it reads, in order, for naming a bad one."""
 
-    def __init__(self, files: list[str], source: Any) -> None:
+    def __init__(self, files: list[str], source: Any, indices: list[int]) -> None:
         self.files = files
         self.source = source
+        self.indices = indices
 
 
 def _named_error(err: RuntimeError, files: list[str], batch: int, batch_size: int, threads: int) -> Exception:

@@ -21,7 +21,7 @@ from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import DistributedSampler
 
 from lit_imagenet import presets
-from lit_imagenet.dali import DALILoader, batch_dtype, choose_decoder, import_dali
+from lit_imagenet.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, choose_decoder, import_dali
 from lit_imagenet.decoders import DECODERS, decoder_dataset
 from lit_imagenet.decoding import verify_image_files
 from lit_imagenet.errors import DataError
@@ -63,6 +63,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         gpu_decode_ahead: With ``decoder: nvjpeg``, how many batches are queued for decoding on the
             GPU while the current one trains. More even out slow batches; each holds a decoded batch
             in GPU memory.
+        hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of the JPEGs sent to the GPU's
+            hardware JPEG decoder, which takes no time from training; the rest are decoded on the
+            GPU's cores (DALI's ``hw_decoder_load``).
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
     """
@@ -83,6 +86,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         decoder: Literal["pil", "torchvision", "nvjpeg", "dali", "auto"] = "pil",
         gpu_share: float = 1.0,
         gpu_decode_ahead: int = 2,
+        hw_decoder_load: float = HW_DECODER_LOAD,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -114,10 +118,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
         if gpu_decode_ahead < 1:
             raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise ValueError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
         self.decoder = decoder
         self._auto_choice: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
+        self.hw_decoder_load = float(hw_decoder_load)
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
@@ -180,7 +187,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             return self.seed
         return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
 
-    def _loader(self, split: str, train: bool) -> PrefetchLoader | DALILoader:
+    def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
         decoder = self.decoder_in_use()
         transform = self.train_transform() if train else self.eval_transform()
         dataset, collate = decoder_dataset(
@@ -189,7 +196,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )  # fmt: skip
         sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size)
         if decoder == "dali":
-            return self._dali_loader(split, train, sampler)
+            return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
             dataset,
             batch_size=self.batch_size,
@@ -206,7 +213,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             decode_ahead=self.gpu_decode_ahead,
         )
 
-    def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None) -> DALILoader:
+    def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
         device = self.prefetch_device
         if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
             device = self.trainer.strategy.root_device
@@ -224,7 +231,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
             dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
             mean=self.mean,
             std=self.std,
+            hw_decoder_load=self.hw_decoder_load,
+            max_batches=None if train else self._batch_limit(stage),
         )
+
+    def _batch_limit(self, stage: str) -> int | None:
+        """The batches Lightning reads of an evaluation stage (``--trainer.limit_*_batches``), None for all."""
+        limit = getattr(self.trainer, f"limit_{stage}_batches", None) if self.trainer is not None else None
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            return limit
+        return None  # a fraction (1.0: all) is applied by Lightning to the loader's length
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""
@@ -239,7 +255,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._loader("val", train=False)
 
     def test_dataloader(self) -> PrefetchLoader | DALILoader:
-        return self._loader("test" if "test" in self._splits else "val", train=False)
+        return self._loader("test" if "test" in self._splits else "val", train=False, stage="test")
 
     def predict_dataloader(self) -> PrefetchLoader | DALILoader:
-        return self._loader("predict", train=False)
+        return self._loader("predict", train=False, stage="predict")

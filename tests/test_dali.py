@@ -237,6 +237,55 @@ def test_the_next_epoch_pipeline_starts_at_the_last_batch_and_gives_that_epochs_
     assert len(list(loader)) == 4 and builds == [5, 6]
 
 
+def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_pass(
+    varied_root: Path, monkeypatch
+) -> None:
+    """A validation pass that reads every file keeps its pipeline for the next pass; one left part-way does not.
+    With a batch limit the reader holds only those batches' files, so that each pass reads them all."""
+    builds: list[int] = []
+    pipeline = DALILoader._pipeline
+
+    def counted(self, files, labels, seeds, sizes):
+        builds.append(len(files))
+        return pipeline(self, files, labels, seeds, sizes)
+
+    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    dm = _module(varied_root, batch_size=4)
+    dm.setup("fit")
+    loader = dm.val_dataloader()
+    count = len(dm.samples("val"))
+    first = list(loader)
+    assert len(first) == len(loader) == -(-count // 4) and builds == [count]
+    for _ in range(2):
+        again = list(loader)
+        assert builds == [count]
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, again, strict=True))
+    passes = iter(loader)
+    next(passes)  # a sanity check's two batches, then training: the pipeline is read part-way
+    next(passes)
+    assert [b[1].tolist() for b in list(loader)] == [b[1].tolist() for b in first]  # built again, from the start
+    assert builds == [count, count]
+
+    builds.clear()
+    limited = DALILoader(dm.samples("val"), 4, False, 32, 36, (0.08, 1.0), threads=2, sampler=None, max_batches=2)
+    assert len(limited) == 2
+    assert [b[1].tolist() for b in limited] == [b[1].tolist() for b in first[:2]]
+    assert [b[1].tolist() for b in limited] == [b[1].tolist() for b in first[:2]]
+    assert builds == [8]  # the files of 2 batches, read by one pipeline twice
+
+
+def test_the_data_module_gives_an_integer_batch_limit_to_the_evaluation_loaders(shapes_root: Path) -> None:
+    trainer = pl.Trainer(limit_val_batches=3, limit_test_batches=0.5, logger=False, enable_checkpointing=False)
+    dm = _module(shapes_root)
+    dm.trainer = trainer
+    dm.setup("fit")
+    assert dm.val_dataloader().max_batches == 3
+    assert dm.test_dataloader().max_batches is None  # a fraction: Lightning shortens the pass itself
+    assert dm.train_dataloader().max_batches is None
+    with pytest.raises(ValueError, match="hw_decoder_load must be between 0 and 1. Got 1.5"):
+        _module(shapes_root, hw_decoder_load=1.5)
+
+
 @pytest.mark.parametrize("content", [b"", b"not an image at all", "truncated", "half"])
 def test_an_undecodable_image_is_named(shapes_root: Path, tmp_path: Path, content) -> None:
     root = tmp_path / "data"
