@@ -72,8 +72,9 @@ def _machine() -> dict[str, Any]:
 def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
     """``pytest -m gpu``; one row per test, from its JUnit report."""
     report = out / "gpu-tests.xml"
+    # A test module that cannot be imported on this machine is a failed row; the other tests still run.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", f"--junitxml={report}",
-           *pytest_args]  # fmt: skip
+           "--continue-on-collection-errors", *pytest_args]  # fmt: skip
     subprocess.run(cmd, cwd=REPO)
     rows: list[dict[str, Any]] = []
     if not report.is_file():
@@ -84,6 +85,7 @@ def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
         skipped = case.find("skipped")
         row: dict[str, Any] = {"row": name, "ok": not failed, "seconds": round(float(case.get("time", 0)), 1)}
         if skipped is not None:
+            row["skipped"] = True
             row["detail"] = f"skipped: {skipped.get('message', '')}"
         rows.append(row)
     if not rows:
@@ -118,11 +120,13 @@ def summary(record: dict[str, Any]) -> str:
     lines = [f"GPU check of {record['commit']} on {', '.join(record['machine']['gpus']) or 'no GPU'}"]
     for part, result in record["parts"].items():
         stale = "" if result["commit"] == record["commit"] else f" (at {result['commit']}, not this commit)"
-        lines.append(f"\n{part}: {result['passed']} passed, {result['failed']} failed{stale}")
+        skipped = f", {result['skipped']} skipped" if result.get("skipped") else ""
+        lines.append(f"\n{part}: {result['passed']} passed, {result['failed']} failed{skipped}{stale}")
         for row in result["rows"]:
             rate = f"{row['images_per_sec']:>9,.0f} images/s" if row.get("images_per_sec") else ""
             detail = f"  {row['detail']}" if row.get("detail") else ""
-            lines.append(f"  {'pass' if row['ok'] else 'FAIL'}  {row['row']:<64} {rate}{detail}")
+            mark = "skip" if row.get("skipped") else "pass" if row["ok"] else "FAIL"
+            lines.append(f"  {mark}  {row['row']:<64} {rate}{detail}")
     return "\n".join(lines)
 
 
@@ -162,10 +166,11 @@ def main(argv: list[str] | None = None) -> int:
             kept = earlier["pytest_args"]
             runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
         failed = sum(not r["ok"] for r in rows)
+        skipped = sum(bool(r.get("skipped")) for r in rows)
         now = datetime.datetime.now().isoformat(timespec="seconds")
         record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
-                                 "passed": len(rows) - failed,
-                                 "failed": failed, "rows": rows}  # fmt: skip
+                                 "passed": len(rows) - failed - skipped, "failed": failed,
+                                 "skipped": skipped, "rows": rows}  # fmt: skip
         if runs:
             record["parts"][part]["pytest_args"] = runs
         args.record.parent.mkdir(parents=True, exist_ok=True)

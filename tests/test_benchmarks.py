@@ -159,14 +159,15 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
     assert [(r["row"], r["ok"]) for r in rows] == [
         ("test_multi_gpu::test_a", True), ("test_multi_gpu::test_b", False), ("test_gpu::test_c", True)
     ]  # fmt: skip
-    assert rows[2]["detail"] == "skipped: needs 2 CUDA devices"
+    assert rows[2]["detail"] == "skipped: needs 2 CUDA devices" and rows[2]["skipped"]
     bench = gpu_check._bench_row({"setting": "fit-pil", "arch": "resnet50", "devices": 2, "images_per_sec": 5000.0,
                                   "ratio": 0.8, "peak_memory_gib": 11.0})  # fmt: skip
     record = {"commit": "new", "machine": {"gpus": ["H"]},
-              "parts": {"tests": {"commit": "old", "passed": 2, "failed": 1, "rows": rows},
+              "parts": {"tests": {"commit": "old", "passed": 1, "failed": 1, "skipped": 1, "rows": rows},
                         "bench": {"commit": "new", "passed": 1, "failed": 0, "rows": [bench]}}}  # fmt: skip
     text = gpu_check.summary(record)
-    assert "tests: 2 passed, 1 failed (at old, not this commit)" in text
+    assert "tests: 1 passed, 1 failed, 1 skipped (at old, not this commit)" in text
+    assert "skip  test_gpu::test_c" in text and "pass  test_multi_gpu::test_a" in text
     assert "bench: 1 passed, 0 failed\n" in text and "5,000 images/s" in text
     assert "FAIL  test_multi_gpu::test_b" in text
 

@@ -3,10 +3,11 @@ import json
 import os
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the test extras (nbformat, nbclient)")
+NotebookClient = pytest.importorskip("nbclient", reason="the notebook test needs the test extras").NotebookClient
 
 REPO = Path(__file__).resolve().parents[1]
 
