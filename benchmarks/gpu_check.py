@@ -11,7 +11,8 @@ one command may run for a limited time); each part's result is kept in the recor
   finished its epochs.
 
 It prints one summary (pass/fail and images/s per row) and writes ``benchmarks/results/gpu-check.json``
-(the commit, the machine, the versions and every row). The exit status is 1 when a row failed.
+(the commit, the machine, the versions and every row). The exit status is 1 when a row failed. Where the checkout
+ran without its git history, ``--name-commit`` (run in the repository) names each part's commit by its files.
 
     python benchmarks/gpu_check.py                 # both parts
     python benchmarks/gpu_check.py --part tests
@@ -46,17 +47,63 @@ def _commit() -> str:
     return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+RUN_FOLDERS = ("lit_imagenet", "tests", "configs", "benchmarks")
+RUN_SUFFIXES = (".py", ".yaml", ".sh", ".cfg")
+
+
+def _makes_a_run(path: str) -> bool:
+    parts = path.split("/")
+    if path in ("train.py", "setup.cfg"):
+        return True
+    return parts[0] in RUN_FOLDERS and "__pycache__" not in parts and Path(path).suffix in RUN_SUFFIXES
+
+
+def _digest(files: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        digest.update(name.encode() + b"\0" + files[name] + b"\0")
+    return digest.hexdigest()
+
+
 def tree_digest(root: Path = REPO) -> str:
     """SHA-256 of the files that make a run (package, tests, configs, benchmarks, train.py): it names the code that
     ran also where the checkout arrived as files without its git history."""
-    digest = hashlib.sha256()
-    files = [root / "train.py", root / "setup.cfg"]
-    for folder in ("lit_imagenet", "tests", "configs", "benchmarks"):
-        files += [f for f in (root / folder).rglob("*") if f.suffix in (".py", ".yaml", ".sh", ".cfg")]
-    for f in sorted(set(files)):
-        if f.is_file() and "__pycache__" not in f.parts:
-            digest.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return digest.hexdigest()
+    candidates = [root / "train.py", root / "setup.cfg"] + [f for d in RUN_FOLDERS for f in (root / d).rglob("*")]
+    found = [f for f in candidates if f.is_file() and _makes_a_run(f.relative_to(root).as_posix())]
+    return _digest({f.relative_to(root).as_posix(): f.read_bytes() for f in found})
+
+
+def commit_digest(commit: str, root: Path = REPO) -> str:
+    """:func:`tree_digest` of a commit's files, read from git."""
+    names = subprocess.run(["git", "ls-tree", "-r", "--name-only", commit], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.split("\n")  # fmt: skip
+    files = {}
+    for name in filter(_makes_a_run, names):
+        show = subprocess.run(["git", "show", f"{commit}:{name}"], cwd=root, capture_output=True, check=True)
+        files[name] = show.stdout
+    return _digest(files)
+
+
+def name_commits(record: dict[str, Any], root: Path = REPO, depth: int = 50) -> list[str]:
+    """Name the commit of each part of ``record`` by its ``tree_sha256``: the most recent of the last ``depth``
+    commits whose files hash the same. Returns one line per part saying what was found."""
+    listing = subprocess.run(["git", "rev-list", f"--max-count={depth}", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.split()  # fmt: skip
+    digests: dict[str, str] = {}
+    lines = []
+    for part, result in record["parts"].items():
+        found = next((c for c in listing if digests.setdefault(c, commit_digest(c, root)) == result["tree_sha256"]),
+                     None)  # fmt: skip
+        if found is None:
+            lines.append(f"{part}: no commit of the last {depth} has the files that ran; its commit is left as "
+                         f"{result['commit']}")  # fmt: skip
+            continue
+        lines.append(f"{part}: {result['commit']} -> {found}")
+        result["commit"] = found
+        result["commit_source"] = "named by tree_sha256: the files that ran hash as this commit's"
+    newest = max(record["parts"].values(), key=lambda r: r["date"])
+    record["commit"], record["tree_sha256"] = newest["commit"], newest["tree_sha256"]
+    return lines
 
 
 def _machine() -> dict[str, Any]:
@@ -140,8 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-args", default="",
                         help="more pytest arguments (tests part), e.g. a test file; the rows of earlier runs with "
                         "other arguments at the same code are kept beside this run's")  # fmt: skip
+    parser.add_argument("--name-commit", action="store_true",
+                        help="run nothing: name the commit of each part of the record by the files that ran (for a "
+                        "record written where the checkout arrived without its git history), and save it")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
     args = parser.parse_args(argv)
+    if args.name_commit:
+        record = json.loads(args.record.read_text())
+        print("\n".join(name_commits(record)))
+        args.record.write_text(json.dumps(record, indent=2) + "\n")
+        return 0
     if not torch.cuda.is_available():
         print("error: no CUDA device is visible; the GPU check runs on a GPU machine.", file=sys.stderr)
         return 2
@@ -149,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     decoders = args.decoders or ["pil", "torchvision", "nvjpeg"] + (
         ["dali"] if importlib.util.find_spec("nvidia.dali") else []
     )
-    record = json.loads(args.record.read_text()) if args.record.is_file() else {"parts": {}}
-    record.update(commit=_commit(), tree_sha256=tree_digest(), machine=_machine())
+    earlier_parts = json.loads(args.record.read_text())["parts"] if args.record.is_file() else {}
+    record = {"commit": _commit(), "tree_sha256": tree_digest(), "machine": _machine(), "parts": earlier_parts}
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
         if part == "tests":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,6 +195,46 @@ def test_gpu_check_keeps_the_rows_of_other_test_shares_of_the_same_code(tmp_path
     assert (both["passed"], both["failed"], both["pytest_args"]) == (1, 1, ["x", "y"])
     tree["digest"] = "b"  # other code: the earlier share is not this code's result
     assert [r["row"] for r in check("x")["rows"]] == ["test_x::t"]
+
+
+def test_gpu_check_names_the_commit_whose_files_ran(tmp_path: Path) -> None:
+    """A record written from a checkout without its history gets the commit whose run files hash the same."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    repo = tmp_path / "repo"
+    (repo / "lit_imagenet").mkdir(parents=True)
+    (repo / "docs").mkdir()
+
+    def git(*args: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ["PATH"]}  # fmt: skip
+        return subprocess.run(["git", *args], cwd=repo, env=env, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    (repo / "train.py").write_text("print(1)\n")
+    (repo / "lit_imagenet" / "a.py").write_text("A = 1\n")
+    git("add", "-A")
+    git("commit", "-q", "-m", "one")
+    first = git("rev-parse", "HEAD").strip()
+    ran = gpu_check.tree_digest(repo)
+    assert ran == gpu_check.commit_digest(first, repo)
+    (repo / "docs" / "x.md").write_text("docs only\n")  # not a run file: the same digest
+    git("add", "-A")
+    git("commit", "-q", "-m", "docs")
+    assert gpu_check.tree_digest(repo) == ran
+    (repo / "lit_imagenet" / "a.py").write_text("A = 2\n")
+    git("commit", "-q", "-am", "code")
+    assert gpu_check.tree_digest(repo) != ran
+
+    record = {"commit": "f00-dirty", "parts": {
+        "tests": {"commit": "f00-dirty", "tree_sha256": ran, "date": "2026-01-02T00:00:00"},
+        "bench": {"commit": "old", "tree_sha256": "0" * 64, "date": "2026-01-01T00:00:00"}}}  # fmt: skip
+    lines = gpu_check.name_commits(record, repo)
+    second = git("rev-parse", "HEAD~1").strip()
+    assert record["parts"]["tests"]["commit"] == second  # the most recent commit with the files that ran
+    assert record["parts"]["bench"]["commit"] == "old" and "no commit of the last 50" in lines[1]
+    assert (record["commit"], record["tree_sha256"]) == (second, ran)
 
 
 @pytest.mark.dali
