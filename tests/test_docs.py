@@ -1,4 +1,5 @@
-"""The README is the way in: every page of docs/ is linked from it, and every relative link resolves."""
+"""The README is the way in: DEVELOPERS.md and every page of docs/ are linked from it, and every relative link
+resolves."""
 
 import re
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "DEVELOPERS.md", *sorted((REPO / "docs").glob("*.md"))]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
