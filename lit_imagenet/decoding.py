@@ -12,7 +12,7 @@ import io
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -101,17 +101,12 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
 
 
 def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image, without decoding it.
+    """``(height, width)`` from the header of an encoded image held in memory, without decoding it.
 
     Raises:
         DataError: The header cannot be read; the message names the file.
     """
-    try:
-        with Image.open(io.BytesIO(data.numpy().tobytes())) as img:
-            width, height = img.size
-    except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
-        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
-    return height, width
+    return _header_size(io.BytesIO(data.numpy().tobytes()), path)
 
 
 # Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
@@ -144,20 +139,27 @@ def _jpeg_frame_size(head: bytes) -> tuple[int, int] | None:
 def image_size(path: str) -> tuple[int, int]:
     """``(height, width)`` of an image file, from its header: EXIF orientation is not applied.
 
-    A JPEG's frame header is read directly from its first bytes; other formats, and JPEGs whose frame
-    header comes later, are opened with PIL, which reads no more than the header either.
-
     Raises:
         DataError: The file cannot be read or its header is not an image's; the message names it.
     """
     try:
         with open(path, "rb") as f:
-            head = f.read(_HEADER_BYTES)
-            if head[:3] == JPEG_MAGIC and (size := _jpeg_frame_size(head)) is not None:
-                return size
-            f.seek(0)
-            with Image.open(f) as img:
-                width, height = img.size
+            return _header_size(f, path)
+    except OSError as err:
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
+
+
+def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
+    """``(height, width)`` from an encoded image's header. A JPEG's frame header is read directly from its
+    first bytes; other formats, and JPEGs whose frame header comes later, are opened with PIL, which reads no
+    more than the header either."""
+    try:
+        head = stream.read(_HEADER_BYTES)
+        if head[:3] == JPEG_MAGIC and (size := _jpeg_frame_size(head)) is not None:
+            return size
+        stream.seek(0)
+        with Image.open(stream) as img:
+            width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
     return height, width
