@@ -63,6 +63,10 @@ class EpochSeededSampler(DistributedSampler):
         self.set_epoch(epoch)
         self._resume = (epoch, samples_done)
 
+    def skips(self) -> int:
+        """The samples of the current epoch that the next pass skips (``resume_at``), 0 when it reads them all."""
+        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         indices = list(super().__iter__())
         start = 0

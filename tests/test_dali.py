@@ -203,38 +203,56 @@ def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path)
     assert len(list(resumed)) == len(expected)  # only the first pass skips
 
 
-def test_the_next_epoch_pipeline_starts_at_the_last_batch_and_gives_that_epochs_batches(
+def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at_the_last_batch(
     shapes_root: Path, monkeypatch
 ) -> None:
-    """The pipeline of epoch 1 is built when epoch 0's last batch is handed over (it decodes during validation),
-    and its batches are those of a loader asked for epoch 1 from the start."""
-    builds: list[int] = []
+    """A pipeline reads as many whole epochs as fit in ``pass_samples``; the one of the epochs after them is built
+    when the last one's last batch is handed over (it decodes during validation). Each epoch's batches are those
+    of a loader asked for that epoch alone; a resume, another epoch or another seed gets a pipeline of its own."""
+    builds: list[tuple[int, int]] = []
     pipeline = DALILoader._pipeline
 
     def counted(self, files, labels, seeds, sizes):
-        builds.append(int(self.sampler.epoch))
+        builds.append((int(self.sampler.epoch), len(files)))
         return pipeline(self, files, labels, seeds, sizes)
 
+    def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
+        loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
+        loader.pass_samples = 1
+        loader.sampler.set_epoch(epoch)
+        return list(loader)
+
+    def same(got: list[list[torch.Tensor]], expected: list[list[torch.Tensor]]) -> bool:
+        return len(got) == len(expected) and all(
+            torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected)
+        )
+
+    expected, reseeded = [alone(epoch) for epoch in range(7)], alone(8, seed=4)
+    assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]  # 24 images: the last batch is not padded
     monkeypatch.setattr(DALILoader, "_pipeline", counted)
-    loader = _module(shapes_root).train_dataloader()
-    loader.sampler.set_epoch(0)
-    passes = iter(loader)
-    for _ in range(len(loader) - 1):
-        next(passes)
-    assert builds == [0]
-    next(passes)  # the epoch's last batch
-    assert builds == [0, 1]
-    loader.sampler.set_epoch(1)  # as Lightning does at the epoch's start: the pipeline built early is used
-    second = list(loader)
-    assert builds == [0, 1, 2]
-    fresh = _module(shapes_root).train_dataloader()
-    fresh.sampler.set_epoch(1)
-    expected = list(fresh)
-    assert len(second) == len(expected) == 4
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(second, expected))
-    loader.sampler.set_epoch(5)  # another epoch than the one built ahead (a resume): built anew for it
-    builds.clear()
-    assert len(list(loader)) == 4 and builds == [5, 6]
+    loader = _module(shapes_root, batch_size=5).train_dataloader()
+    loader.pass_samples = 3 * 24 + 23  # three whole epochs
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)  # as Lightning does at each epoch's start
+        passes = iter(loader)
+        got = [next(passes) for _ in range(len(loader) - 1)]
+        assert builds == [(0, 3 * 25)]  # each epoch padded to whole batches
+        got.append(next(passes))  # the epoch's last batch
+        assert builds == ([(0, 75)] if epoch < 2 else [(0, 75), (3, 75)])
+        assert loader.sampler.epoch == epoch + 1  # the loader moves its sampler on, as when it builds ahead
+        assert list(passes) == []
+        assert same(got, expected[epoch])
+    loader.sampler.set_epoch(3)
+    assert same(list(loader), expected[3])
+    assert builds == [(0, 75), (3, 75)]
+
+    loader.sampler.set_epoch(6)  # another epoch than the pipeline reads next: one is built for it
+    assert same(list(loader), expected[6]) and builds[2:] == [(6, 75)]
+    loader.sampler.resume_at(7, 10)  # a resume part-way through the epoch the pipeline reads next
+    assert [len(b[0]) for b in loader] == [5, 5, 4] and builds[3:] == [(7, 15 + 25 + 25)]
+    loader.sampler.set_epoch(8)
+    loader.sampler.seed = 4  # a checkpoint's seed, restored
+    assert same(list(loader), reseeded) and builds[4:] == [(8, 75)]
 
 
 def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_pass(
