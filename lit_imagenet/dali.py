@@ -30,10 +30,11 @@ since building one takes about 0.7 s, some fifty training steps of ResNet-18 on 
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Generator, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -292,6 +293,8 @@ class DALILoader:
             allocated, on the GPU on CUDA, between passes).
         pass_samples: Training only: a pipeline reads as many whole epochs as fit in this many samples
             (at least one, ``PASS_EPOCHS`` at most), so that short epochs do not each pay for building one.
+        epochs: Training only: the run's number of epochs (Lightning's ``max_epochs``), None when not
+            known: no pipeline is built ahead for epochs beyond it.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -314,6 +317,7 @@ class DALILoader:
         hw_decoder_load: float = HW_DECODER_LOAD,
         max_batches: int | None = None,
         pass_samples: int = PASS_SAMPLES,
+        epochs: int | None = None,
     ) -> None:
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"DALI batches are float32 or float16. Got {dtype}")
@@ -329,6 +333,8 @@ class DALILoader:
         self.threads = max(1, threads)
         self.sampler = sampler
         self.device = device
+        if device is not None and device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # pipelines may be built in another thread
         self.channels_last = channels_last
         self.dtype = dtype
         self.mean = tuple(mean)
@@ -336,9 +342,12 @@ class DALILoader:
         self.hw_decoder_load = hw_decoder_load
         self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
         self.pass_samples = pass_samples
+        self.epochs = epochs if epochs is not None and epochs > 0 else None
         self._kept: _Pass | None = None  # a pipeline ready for the next pass (see ``_batches``)
         self._sizes = np.zeros((len(self.samples), 2), dtype=np.int32)  # 0: not read yet
         self._active: Generator[list[Tensor], None, None] | None = None
+        self._builder: ThreadPoolExecutor | None = None
+        self._building: Future[_Pass | None] | None = None  # the next training pipeline, being built
 
     def __len__(self) -> int:
         count = len(self.sampler) if self.sampler is not None else len(self.samples)  # type: ignore[arg-type]
@@ -361,36 +370,36 @@ class DALILoader:
             indices = indices[: self.max_batches * self.batch_size]
         return indices
 
-    def _training_epochs(self) -> list[tuple[int, list[int], list[int]]]:
+    def _training_epochs(self, sampler: Sampler | None) -> list[tuple[int, list[int], list[int]]]:
         """``(epoch, sample indices, augmentation seeds)`` of the epochs a training pipeline reads, in order.
 
-        The sampler's current epoch (part of it when resumed), then, for a sampler whose order moves by
+        ``sampler``'s current epoch (part of it when resumed), then, for a sampler whose order moves by
         epoch, the epochs after it, as many whole ones as fit in ``pass_samples`` samples (``PASS_EPOCHS``
-        at most); the sampler is left at its current epoch.
+        at most), drawn from copies of it.
         """
-        if self.sampler is None:
+        if sampler is None:
             return [(0, list(range(len(self.samples))), [0] * len(self.samples))]
-        items = list(self.sampler)
-        epoch = int(getattr(self.sampler, "epoch", 0))
+        items = list(sampler)
+        epoch = int(getattr(sampler, "epoch", 0))
         epochs = [(epoch, [int(i) for i, _ in items], [int(s) for _, s in items])]
-        if moves_by_epoch(self.sampler):
-            full = max(1, len(self.sampler))  # type: ignore[arg-type]
-            for later in range(epoch + 1, epoch + min(PASS_EPOCHS, max(1, self.pass_samples // full))):
-                self.sampler.set_epoch(later)  # type: ignore[union-attr]
-                items = list(self.sampler)
+        if moves_by_epoch(sampler):
+            full = max(1, len(sampler))  # type: ignore[arg-type]
+            end = epoch + min(PASS_EPOCHS, max(1, self.pass_samples // full))
+            for later in range(epoch + 1, end if self.epochs is None else min(end, self.epochs)):
+                ahead = copy.copy(sampler)
+                ahead.set_epoch(later)  # type: ignore[attr-defined]
+                items = list(ahead)
                 epochs.append((later, [int(i) for i, _ in items], [int(s) for _, s in items]))
-            self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
         return epochs
 
     def _pipeline(self, files: list[str], labels: list[int], seeds: list[int], sizes: np.ndarray) -> Any:
         from nvidia.dali import fn, pipeline_def, types
 
         cuda = self.device is not None
-        device_id = None
+        device_id = None if self.device is None else self.device.index
         # EXIF orientation is left alone, as PIL and torchvision.io leave it on the other paths.
         decode_args: dict[str, Any] = {"output_type": types.RGB, "adjust_orientation": False}
         if self.device is not None:
-            device_id = self.device.index if self.device.index is not None else torch.cuda.current_device()
             decode_args["hw_decoder_load"] = self.hw_decoder_load
         decode_device = "mixed" if cuda else "cpu"
         size = self.crop_size
@@ -447,8 +456,11 @@ class DALILoader:
             self._sizes[missing] = image_sizes([self.samples[i][0] for i in missing], self.threads)
         return self._sizes[where]
 
-    def _start(self) -> _Pass | None:
-        """Builds the pipeline of a pass in the sampler's current order; DALI starts preparing its first batches.
+    def _start(self, sampler: Sampler | None = None) -> _Pass | None:
+        """Builds the pipeline of a pass in the sampler's current order; DALI prepares its first batch meanwhile.
+
+        Training reads the order of ``sampler``, the loader's own by default (a resumed epoch's skip is then
+        used up), or a copy of it for a pipeline built ahead.
 
         A training pipeline reads the epochs of ``_training_epochs`` one after the other, each padded to
         whole batches with its last sample (as DALI's reader pads a last batch); the padding is cut from
@@ -457,8 +469,9 @@ class DALILoader:
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
+        sampler = self.sampler if sampler is None else sampler
         if self.train:
-            epochs = self._training_epochs()
+            epochs = self._training_epochs(sampler)
             indices: list[int] = []
             seeds: list[int] = []
             for _, order, drawn in epochs:
@@ -481,7 +494,7 @@ class DALILoader:
             )
         except RuntimeError as err:
             raise _named_error(err, files, 0, self.batch_size, self.threads) from None
-        return _Pass(files, source, indices, spans, getattr(self.sampler, "seed", None))
+        return _Pass(files, source, indices, spans, getattr(sampler, "seed", None))
 
     def _continues(self, kept: _Pass) -> bool:
         """Whether a kept pipeline's next batches are those the sampler asks for now."""
@@ -495,16 +508,29 @@ class DALILoader:
         )
 
     def _start_next_epoch(self) -> None:
-        epoch = int(self.sampler.epoch) + 1  # type: ignore[union-attr]
-        self.sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        """Moves the sampler on to its next epoch and builds that epoch's pipeline in a thread of the loader's.
+
+        Building one holds the thread that does it for the best part of a second (longer with several
+        epochs' orders to draw), mostly in DALI's code, which lets other threads run: the training loop
+        goes on to validation and checkpointing meanwhile, and the next ``__iter__`` waits for it.
+        """
+        self.sampler.set_epoch(int(self.sampler.epoch) + 1)  # type: ignore[union-attr]
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali-pipeline")
+        self._building = self._builder.submit(self._start_ahead, copy.copy(self.sampler))
+
+    def _start_ahead(self, sampler: Sampler) -> _Pass | None:
         try:
-            self._kept = self._start()
+            return self._start(sampler)
         except DataError:
-            self._kept = None  # the pass asked for next builds it again, and stops on the error there
+            return None  # the pass asked for next builds it again, and stops on the error there
 
     def __iter__(self) -> Iterator[list[Tensor]]:
         if self._active is not None:
             self._active.close()  # a pass left part-way (limit_*_batches): its pipeline goes first
+        building, self._building = self._building, None
+        if building is not None:
+            self._kept = building.result()
         kept, self._kept = self._kept, None
         started: _Pass | None | bool = False
         if kept is not None and self._continues(kept):
@@ -567,7 +593,7 @@ class DALILoader:
         elif current.span < len(current.spans):
             self._kept = current  # it reads on into the next epoch while this one ends
             self.sampler.set_epoch(current.spans[current.span][0])  # type: ignore[union-attr]
-        elif early:
+        elif early and (self.epochs is None or current.spans[-1][0] + 1 < self.epochs):
             current.source = None  # this pipeline is done: it goes before the next one is built
             self._start_next_epoch()
 

@@ -233,6 +233,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             std=self.std,
             hw_decoder_load=self.hw_decoder_load,
             max_batches=None if train else self._batch_limit(stage),
+            epochs=self.trainer.max_epochs if train and self.trainer is not None else None,
         )
 
     def _batch_limit(self, stage: str) -> int | None:

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -207,18 +208,23 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
     shapes_root: Path, monkeypatch
 ) -> None:
     """A pipeline reads as many whole epochs as fit in ``pass_samples``; the one of the epochs after them is built
-    when the last one's last batch is handed over (it decodes during validation). Each epoch's batches are those
-    of a loader asked for that epoch alone; a resume, another epoch or another seed gets a pipeline of its own."""
+    in another thread once the last one's last batch is handed over (it decodes during validation). Each epoch's
+    batches are those of a loader asked for that epoch alone; a resume, another epoch or another seed gets a
+    pipeline of its own, and none is built for epochs past the run's last."""
     builds: list[tuple[int, int]] = []
+    reached, release = threading.Event(), threading.Event()
     pipeline = DALILoader._pipeline
 
     def counted(self, files, labels, seeds, sizes):
+        if threading.current_thread() is not threading.main_thread():
+            reached.set()
+            assert release.wait(30)
         builds.append((int(self.sampler.epoch), len(files)))
         return pipeline(self, files, labels, seeds, sizes)
 
     def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
         loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
-        loader.pass_samples = 1
+        loader.pass_samples, loader.epochs = 1, epoch + 1  # one epoch read, none built ahead
         loader.sampler.set_epoch(epoch)
         return list(loader)
 
@@ -237,11 +243,13 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
         passes = iter(loader)
         got = [next(passes) for _ in range(len(loader) - 1)]
         assert builds == [(0, 3 * 25)]  # each epoch padded to whole batches
-        got.append(next(passes))  # the epoch's last batch
-        assert builds == ([(0, 75)] if epoch < 2 else [(0, 75), (3, 75)])
+        got.append(next(passes))  # the epoch's last batch: it comes while the next pipeline is being built
+        assert reached.wait(30) if epoch == 2 else not reached.is_set()  # the build ahead, held in its thread
+        assert builds == [(0, 75)]
         assert loader.sampler.epoch == epoch + 1  # the loader moves its sampler on, as when it builds ahead
         assert list(passes) == []
         assert same(got, expected[epoch])
+    release.set()
     loader.sampler.set_epoch(3)
     assert same(list(loader), expected[3])
     assert builds == [(0, 75), (3, 75)]
@@ -253,6 +261,14 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
     loader.sampler.set_epoch(8)
     loader.sampler.seed = 4  # a checkpoint's seed, restored
     assert same(list(loader), reseeded) and builds[4:] == [(8, 75)]
+
+    builds.clear()
+    loader = _module(shapes_root, batch_size=5).train_dataloader()
+    loader.epochs = 2  # the run's max_epochs
+    for epoch in range(2):
+        loader.sampler.set_epoch(epoch)
+        assert same(list(loader), expected[epoch])
+    assert builds == [(0, 50)] and loader.sampler.epoch == 1  # nothing built beyond epoch 1
 
 
 def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_pass(
@@ -300,6 +316,7 @@ def test_the_data_module_gives_an_integer_batch_limit_to_the_evaluation_loaders(
     assert dm.val_dataloader().max_batches == 3
     assert dm.test_dataloader().max_batches is None  # a fraction: Lightning shortens the pass itself
     assert dm.train_dataloader().max_batches is None
+    assert dm.train_dataloader().epochs == trainer.max_epochs
     with pytest.raises(ValueError, match="hw_decoder_load must be between 0 and 1. Got 1.5"):
         _module(shapes_root, hw_decoder_load=1.5)
 
