@@ -272,3 +272,17 @@ def test_dali_cpu_ops_times_each_stage(shapes_root: Path, capsys) -> None:
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("threads")]
     assert len(lines) == 3 and "us per file" in lines[0] and all("images/s" in line for line in lines[1:])
     assert "crop windows" in lines[2]
+
+
+@pytest.mark.dali
+def test_dali_contention_times_the_model_beside_and_fed_by_the_pipeline(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import dali_contention
+
+    out = tmp_path / "contention.json"
+    dali_contention.main(["--smoke", "--out", str(out)])
+    rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(dali_contention.ROWS)
+    assert all(row["images_per_sec"] > 0 and row["steps"] == 3 for row in rows.values())
+    assert rows["model-alone"]["ratio_to_model_alone"] == 1.0
+    assert rows["model-beside-pipeline"]["batches_dropped"] == 4  # one a step, the warm-up step's included
