@@ -90,11 +90,10 @@ def _timed(name: str, args: argparse.Namespace, device: torch.device, step: Any)
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The rows of ``args.rows``, in that order."""
-    from throughput import _step, _training_parts
+    from throughput import _model_alone_step, _step, _training_parts
 
     from lit_imagenet.dali import DALILoader
     from lit_imagenet.folders import scan_split
-    from lit_imagenet.presets import Uint8Normalize
     from lit_imagenet.samplers import EpochSeededSampler
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -108,18 +107,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         dtype=torch.float16 if cuda else torch.float32, hw_decoder_load=args.hw_decoder_load,
     )  # fmt: skip
     batches = _batches(loader)
-    model, optimizer, scaler, criterion = _training_parts(args.arch, args, device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    shape = (args.batch_size, 3, args.crop_size, args.crop_size)
-    random_images = (
-        Uint8Normalize()
-        .to(device)(torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator))
-        .contiguous(memory_format=torch.channels_last)
-    )
-    random_targets = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
-
-    def model_step() -> None:
-        _step(model, optimizer, scaler, criterion, random_images, random_targets, device)
+    parts = _training_parts(args.arch, args, device)
+    model_step = _model_alone_step(parts, args, device)
+    model, optimizer, scaler, criterion = parts
 
     def fed_step() -> None:
         images, targets = next(batches)

@@ -192,11 +192,11 @@ def _timed_epochs(name: str, args: argparse.Namespace, device: torch.device, run
     return {"images_per_sec": last["images_per_sec"], "peak_memory_gib": last["peak_memory_gib"], "epochs": epochs}
 
 
-def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """SGD steps on a random uint8 batch already on the device, normalised there at each step."""
+def _model_alone_step(parts: tuple[Any, ...], args: argparse.Namespace, device: torch.device) -> Any:
+    """One SGD step of ``_training_parts``' model on a random uint8 batch already on the device, normalised there."""
     from lit_imagenet.presets import Uint8Normalize
 
-    model, optimizer, scaler, criterion = _training_parts(arch, args, device)
+    model, optimizer, scaler, criterion = parts
     normalize = Uint8Normalize().to(device)
     generator = torch.Generator(device=device).manual_seed(0)
     shape = (args.batch_size, 3, args.crop_size, args.crop_size)
@@ -204,9 +204,19 @@ def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> di
     images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
 
+    def step() -> None:
+        _step(model, optimizer, scaler, criterion, normalize(images), targets, device)
+
+    return step
+
+
+def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """SGD steps on a random uint8 batch already on the device, normalised there at each step."""
+    step = _model_alone_step(_training_parts(arch, args, device), args, device)
+
     def run_epoch() -> int:
         for _ in range(args.model_steps):
-            _step(model, optimizer, scaler, criterion, normalize(images), targets, device)
+            step()
         return args.model_steps * args.batch_size
 
     return _timed_epochs(f"model-alone {arch}", args, device, run_epoch)
