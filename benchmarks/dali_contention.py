@@ -9,12 +9,20 @@ On one device and in one process, each row times the same number of steps of one
 * ``model-beside-pipeline``: the ``model-alone`` steps while another thread takes one batch from the
   pipeline per step and drops it: the pipeline does the work of a ``fit`` (its CPU threads, its GPU
   kernels, the external source in the interpreter) but no step waits for its batch;
-* ``model-fed-by-pipeline``: a plain loop that trains on the pipeline's batches (no Lightning).
+* ``model-taking-batches``: the ``model-alone`` steps, each after the training thread has taken a batch
+  from the pipeline (as a loop fed by it would), the batch left unused: the host's hand-over without
+  the training stream waiting for the batch on the device;
+* ``model-fed-by-pipeline``: a plain loop that trains on the pipeline's batches (no Lightning);
+* ``model-fed-one-ahead``: the same loop taking the next batch before it trains on the current one, as
+  Lightning's training loop does.
 
 ``model-beside-pipeline`` under ``model-alone`` is what the pipeline's work takes from the model (GPU
 or CPU contention); ``model-fed-by-pipeline`` under ``model-beside-pipeline`` is what waiting for each
-batch adds. Each row reports images/s over ``--steps`` steps after ``--warmup`` steps, with the device
-synchronised at both ends, and the table is written to ``--out`` as JSON.
+batch adds, and ``model-taking-batches`` says how much of that is the training thread's time in
+DALI's iterator rather than the device waiting for the batch. The rows that take batches in the
+training thread also report the seconds of the timed steps it spent taking them
+(``host_seconds_taking``). Each row reports images/s over ``--steps`` steps after ``--warmup`` steps,
+with the device synchronised at both ends, and the table is written to ``--out`` as JSON.
 
     python benchmarks/dali_contention.py --out runs/contention.json --arch resnet18 --threads 8
     python benchmarks/dali_contention.py --out /tmp/contention.json --smoke   # CPU, tiny: checks the script
@@ -35,7 +43,14 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("model-alone", "pipeline-alone", "model-beside-pipeline", "model-fed-by-pipeline")
+ROWS = (
+    "model-alone",
+    "pipeline-alone",
+    "model-beside-pipeline",
+    "model-taking-batches",
+    "model-fed-by-pipeline",
+    "model-fed-one-ahead",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,12 +86,15 @@ def _batches(loader: Any) -> Iterator[list[torch.Tensor]]:
         yield from loader
 
 
-def _timed(name: str, args: argparse.Namespace, device: torch.device, step: Any) -> dict[str, Any]:
+def _timed(name: str, args: argparse.Namespace, device: torch.device, step: Any, start: Any = None) -> dict[str, Any]:
+    """Times ``args.steps`` calls of ``step`` after ``args.warmup``; ``start()``, if given, is called in between."""
     from throughput import _sync
 
     for _ in range(args.warmup):
         step()
     _sync(device)
+    if start is not None:
+        start()
     began = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -92,7 +110,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The rows of ``args.rows``, in that order."""
     from throughput import _model_alone_step, _step, _training_parts
 
-    from lit_imagenet.dali import DALILoader
+    from lit_imagenet.dali import PASS_EPOCHS, DALILoader
     from lit_imagenet.folders import scan_split
     from lit_imagenet.samplers import EpochSeededSampler
 
@@ -105,24 +123,53 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         samples, args.batch_size, True, args.crop_size, args.crop_size * 8 // 7, (0.08, 1.0), args.threads,
         sampler=EpochSeededSampler(samples, seed=0), device=device if cuda else None, channels_last=True,
         dtype=torch.float16 if cuda else torch.float32, hw_decoder_load=args.hw_decoder_load,
+        pass_samples=PASS_EPOCHS * len(samples),
     )  # fmt: skip
     batches = _batches(loader)
+    # The pipeline is built here, outside every row, and reads PASS_EPOCHS epochs: more than the rows take,
+    # so that no row holds a build.
+    next(batches)
     parts = _training_parts(args.arch, args, device)
     model_step = _model_alone_step(parts, args, device)
     model, optimizer, scaler, criterion = parts
 
+    taking = [0.0]
+
+    def take() -> list[torch.Tensor]:
+        began = time.perf_counter()
+        batch = next(batches)
+        taking[0] += time.perf_counter() - began
+        return batch
+
     def fed_step() -> None:
-        images, targets = next(batches)
+        images, targets = take()
         _step(model, optimizer, scaler, criterion, images, targets, device)
 
+    def taking_step() -> None:
+        take()
+        model_step()
+
+    pending: list[list[torch.Tensor]] = []
+
+    def one_ahead_step() -> None:
+        current = pending.pop() if pending else take()
+        pending.append(take())
+        _step(model, optimizer, scaler, criterion, *current, device)
+
+    takers = {
+        "model-taking-batches": taking_step,
+        "model-fed-by-pipeline": fed_step,
+        "model-fed-one-ahead": one_ahead_step,
+    }
     rows = []
     for name in args.rows:
         if name == "model-alone":
             rows.append(_timed(name, args, device, model_step))
         elif name == "pipeline-alone":
             rows.append(_timed(name, args, device, lambda: next(batches)))
-        elif name == "model-fed-by-pipeline":
-            rows.append(_timed(name, args, device, fed_step))
+        elif name in takers:
+            row = _timed(name, args, device, takers[name], start=lambda: taking.__setitem__(0, 0.0))
+            rows.append({**row, "host_seconds_taking": round(taking[0], 4)})
         else:
             rows.append(_beside(name, args, device, model_step, batches))
     return rows

@@ -286,3 +286,5 @@ def test_dali_contention_times_the_model_beside_and_fed_by_the_pipeline(tmp_path
     assert all(row["images_per_sec"] > 0 and row["steps"] == 3 for row in rows.values())
     assert rows["model-alone"]["ratio_to_model_alone"] == 1.0
     assert rows["model-beside-pipeline"]["batches_dropped"] == 4  # one a step, the warm-up step's included
+    for name in ("model-taking-batches", "model-fed-by-pipeline", "model-fed-one-ahead"):
+        assert 0 < rows[name]["host_seconds_taking"] <= rows[name]["seconds"]
