@@ -133,7 +133,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     model_step = _model_alone_step(parts, args, device)
     model, optimizer, scaler, criterion = parts
 
-    taking = [0.0]
+    taking = [0.0]  # seconds the training thread spent in DALI's iterator since the row's timing began
+
+    def start_taking() -> None:
+        taking[0] = 0.0
 
     def take() -> list[torch.Tensor]:
         began = time.perf_counter()
@@ -168,7 +171,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         elif name == "pipeline-alone":
             rows.append(_timed(name, args, device, lambda: next(batches)))
         elif name in takers:
-            row = _timed(name, args, device, takers[name], start=lambda: taking.__setitem__(0, 0.0))
+            row = _timed(name, args, device, takers[name], start=start_taking)
             rows.append({**row, "host_seconds_taking": round(taking[0], 4)})
         else:
             rows.append(_beside(name, args, device, model_step, batches))
