@@ -288,3 +288,28 @@ def test_dali_contention_times_the_model_beside_and_fed_by_the_pipeline(tmp_path
     assert rows["model-beside-pipeline"]["batches_dropped"] == 4  # one a step, the warm-up step's included
     for name in ("model-taking-batches", "model-fed-by-pipeline", "model-fed-one-ahead"):
         assert 0 < rows[name]["host_seconds_taking"] <= rows[name]["seconds"]
+
+
+def test_step_timeline_splits_each_epoch_into_head_steps_and_tail(shapes_root: Path, tmp_path: Path, capsys) -> None:
+    from benchmarks.step_timeline import StepTimeline
+    from lit_imagenet.cli import main
+    from tests.cli_args import fit_args
+
+    # 24 training images in batches of 8: 3 steps an epoch, the callback named on the command line as on the GPU
+    named = "--trainer.callbacks+=benchmarks.step_timeline.StepTimeline"
+    cli = main(fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "2", named))
+    timeline = next(c for c in cli.trainer.callbacks if isinstance(c, StepTimeline))
+    written = json.loads((tmp_path / "step_timeline-rank0.json").read_text())
+    assert written == json.loads(json.dumps(timeline.epochs))
+    assert [e["epoch"] for e in written] == [0, 1]
+    for epoch in written:
+        s, rows = epoch["summary"], epoch["rows"]
+        assert s["steps"] == len(rows) == 3 and s["images"] == 24
+        assert s["head_s"] >= 0 and s["tail_s"] > 0 and s["steps_s"] > 0
+        assert s["head_s"] + s["steps_s"] + s["tail_s"] == pytest.approx(s["epoch_s"])
+        # the steps' span is the kernels and the gaps between them; on a CPU every gap waits for the host
+        assert s["kernels_ms"]["sum"] + s["gap_ms"]["sum"] == pytest.approx(s["steps_s"] * 1000)
+        assert s["host_wait_ms"]["sum"] == pytest.approx(s["gap_ms"]["sum"]) and s["queued_wait_ms"]["sum"] == 0
+        assert "gap_ms" not in rows[0] and all(r["gap_ms"] >= 0 and r["host_ms"] > r["between_ms"] for r in rows[1:])
+    out = capsys.readouterr().out
+    assert "Step timeline, epoch 0:" in out and "Step timeline, epoch 1:" in out
