@@ -6,8 +6,9 @@ A callback for ``train.py fit``::
 
 (with the repository on ``PYTHONPATH``). PyTorch's profiler doubles the host's time per step of ``fit``
 with ``dali`` (``trace_overlap.py``), so its traces cannot say whether the host, the loader or the GPU
-limits a run without it. This callback costs a few microseconds a hook: at each training batch's start
-and end it reads the host clock and records a CUDA event on the current stream (the training step's).
+limits a run without it. This callback costs a few microseconds a hook: at each training batch's start,
+before its backward pass, before its optimizer step and at its end it reads the host clock and records
+a CUDA event on the current stream (the training step's).
 At the epoch's end, after one synchronisation, every event is placed on the host's clock through one
 recorded on the idle GPU at the epoch's start, and each step N gets:
 
@@ -22,7 +23,10 @@ recorded on the idle GPU at the epoch's start, and each step N gets:
   ``between_ms`` of it, from step N-1's end hook to step N's start hook (Lightning's loop and the
   fetch of batch N+1);
 * ``lead_ms``: how long after the host recorded step N's start event the GPU reached it (the host's
-  lead over the GPU; near 0 when the GPU waits for the host).
+  lead over the GPU; near 0 when the GPU waits for the host);
+* for each phase of the step, ``forward`` (start to backward), ``backward`` (to the optimizer step) and
+  ``optimizer`` (to the end): ``PHASE_ms`` on the GPU, ``host_PHASE_ms`` on the host, and the lead at
+  the mark that ends it (``lead_backward_ms``, ``lead_optimizer_ms``, ``lead_end_ms``).
 
 The epoch's time splits exactly into ``head_s`` (epoch start to the GPU's start of the first step),
 ``steps_s`` (the first step's start to the last one's end, on the GPU: the kernels and the gaps) and
@@ -42,7 +46,11 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from torch import Tensor
 from typing_extensions import override
+
+# The marks a step's phases begin at, and the phases' names; each phase ends at the next mark, the last at "end".
+PHASES = {"start": "forward", "backward": "backward", "optimizer": "optimizer"}
 
 
 def _sync(device: torch.device) -> None:
@@ -64,7 +72,9 @@ def summarise(rows: list[dict[str, float]], epoch_s: float, head_s: float, tail_
         "steps_s": epoch_s - head_s - tail_s,
         "tail_s": tail_s,
     }
-    for key in ("kernels_ms", "gap_ms", "host_wait_ms", "queued_wait_ms", "host_ms", "between_ms", "lead_ms"):
+    keys = ["kernels_ms", "gap_ms", "host_wait_ms", "queued_wait_ms", "host_ms", "between_ms", "lead_ms"]
+    keys += sorted({key for row in rows for key in row} - set(keys) - {"images"})
+    for key in keys:
         values = column(key)
         summary[key] = {
             "sum": sum(values),
@@ -116,6 +126,14 @@ class StepTimeline(pl.Callback):
         self._mark("start", pl_module)
 
     @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        self._mark("backward", pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._mark("optimizer", pl_module)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -134,14 +152,24 @@ class StepTimeline(pl.Callback):
         marks = [(kind, host, self._device_time(host, event), images) for kind, host, event, images in self._marks]
         rows: list[dict[str, float]] = []
         previous: tuple[float, float] | None = None  # the last step's end: host, device
-        for (kind, host, device, _), (end_kind, end_host, end_device, images) in zip(marks, marks[1:]):
-            if kind != "start" or end_kind != "end":
+        step: dict[str, tuple[float, float]] = {}
+        for kind, at_host, at_device, images in marks:
+            if kind == "start":
+                step = {}
+            step[kind] = (at_host, at_device)
+            if kind != "end" or "start" not in step:
                 continue
+            (host, device), (end_host, end_device) = step["start"], step["end"]
             row = {
                 "images": float(images),
                 "kernels_ms": (end_device - device) * 1000,
                 "lead_ms": (device - host) * 1000,
             }
+            marked = [kind for kind in PHASES if kind in step] + ["end"]
+            for begin, following in zip(marked, marked[1:]):
+                row[f"{PHASES[begin]}_ms"] = (step[following][1] - step[begin][1]) * 1000
+                row[f"host_{PHASES[begin]}_ms"] = (step[following][0] - step[begin][0]) * 1000
+                row[f"lead_{following}_ms"] = (step[following][1] - step[following][0]) * 1000
             if previous is not None:
                 gap = device - previous[1]
                 host_wait = min(gap, max(0.0, host - previous[1]))
@@ -177,5 +205,10 @@ def _line(epoch: int, s: dict[str, Any]) -> str:
         f" + tail {s['tail_s']:.3f}; {s['steps']} steps, sums: kernels {s['kernels_ms']['sum'] / 1000:.3f} s,"
         f" gaps {s['gap_ms']['sum'] / 1000:.3f} s (host {s['host_wait_ms']['sum'] / 1000:.3f},"
         f" queued {s['queued_wait_ms']['sum'] / 1000:.3f}); medians (ms): kernels {ms('kernels_ms')},"
-        f" gap {ms('gap_ms')}, host per step {ms('host_ms')}, between steps {ms('between_ms')}, lead {ms('lead_ms')}"
+        f" gap {ms('gap_ms')}, host per step {ms('host_ms')}, between steps {ms('between_ms')}, lead {ms('lead_ms')};"
+        + "".join(
+            f" {phase} {ms(f'{phase}_ms')} (host {ms(f'host_{phase}_ms')}, lead after {ms(f'lead_{end}_ms')})"
+            for phase, end in (("forward", "backward"), ("backward", "optimizer"), ("optimizer", "end"))
+            if f"{phase}_ms" in s
+        )
     )

@@ -311,5 +311,9 @@ def test_step_timeline_splits_each_epoch_into_head_steps_and_tail(shapes_root: P
         assert s["kernels_ms"]["sum"] + s["gap_ms"]["sum"] == pytest.approx(s["steps_s"] * 1000)
         assert s["host_wait_ms"]["sum"] == pytest.approx(s["gap_ms"]["sum"]) and s["queued_wait_ms"]["sum"] == 0
         assert "gap_ms" not in rows[0] and all(r["gap_ms"] >= 0 and r["host_ms"] > r["between_ms"] for r in rows[1:])
+        for row in rows:  # the phases make up the step
+            phases = row["forward_ms"] + row["backward_ms"] + row["optimizer_ms"]
+            assert min(row["forward_ms"], row["backward_ms"], row["optimizer_ms"]) > 0
+            assert phases == pytest.approx(row["kernels_ms"])
     out = capsys.readouterr().out
-    assert "Step timeline, epoch 0:" in out and "Step timeline, epoch 1:" in out
+    assert "Step timeline, epoch 0:" in out and "Step timeline, epoch 1:" in out and " backward " in out
