@@ -107,6 +107,11 @@ class StepTimeline(pl.Callback):
         self._marks.append((kind, now, event, images))
 
     @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
+        self.on_train_epoch_start(trainer, pl_module)
+
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _sync(pl_module.device)
         self._marks = []

@@ -317,3 +317,23 @@ def test_step_timeline_splits_each_epoch_into_head_steps_and_tail(shapes_root: P
             assert phases == pytest.approx(row["kernels_ms"])
     out = capsys.readouterr().out
     assert "Step timeline, epoch 0:" in out and "Step timeline, epoch 1:" in out and " backward " in out
+
+
+def test_step_timeline_times_an_epoch_resumed_part_way(shapes_root: Path, tmp_path: Path) -> None:
+    from lit_imagenet.cli import main
+    from tests.cli_args import fit_args
+
+    named = "--trainer.callbacks+=benchmarks.step_timeline.StepTimeline"
+    cli = main(
+        fit_args(
+            shapes_root, tmp_path, "--trainer.max_epochs", "1", "--step_checkpoint.every_n_train_steps", "2", named
+        )
+    )
+    step_ckpt = Path(cli.trainer.log_dir) / "checkpoints" / "last-step.ckpt"
+    os.utime(step_ckpt)  # the newest: the resume starts after the epoch's second step
+    main(fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last", named))
+    written = json.loads((tmp_path / "step_timeline-rank0.json").read_text())
+    assert [(e["epoch"], e["summary"]["steps"]) for e in written] == [(0, 1), (1, 3)]
+    for epoch in written:
+        s = epoch["summary"]
+        assert 0 < s["epoch_s"] < 60 and s["head_s"] + s["steps_s"] + s["tail_s"] == pytest.approx(s["epoch_s"])
