@@ -49,13 +49,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lit_imagenet.host import sync_device
+
 # The marks a step's phases begin at, and the phases' names; each phase ends at the next mark, the last at "end".
 PHASES = {"start": "forward", "backward": "backward", "optimizer": "optimizer"}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarise(rows: list[dict[str, float]], epoch_s: float, head_s: float, tail_s: float) -> dict[str, Any]:
@@ -113,7 +110,7 @@ class StepTimeline(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync_device(pl_module)
         self._marks = []
         self._reference = None
         if pl_module.device.type == "cuda":
@@ -152,7 +149,7 @@ class StepTimeline(pl.Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync_device(pl_module)
         epoch_end = time.perf_counter()
         marks = [(kind, host, self._device_time(host, event), images) for kind, host, event, images in self._marks]
         rows: list[dict[str, float]] = []
@@ -170,7 +167,7 @@ class StepTimeline(pl.Callback):
                 "kernels_ms": (end_device - device) * 1000,
                 "lead_ms": (device - host) * 1000,
             }
-            marked = [kind for kind in PHASES if kind in step] + ["end"]
+            marked = [name for name in PHASES if name in step] + ["end"]
             for begin, following in zip(marked, marked[1:]):
                 row[f"{PHASES[begin]}_ms"] = (step[following][1] - step[begin][1]) * 1000
                 row[f"host_{PHASES[begin]}_ms"] = (step[following][0] - step[begin][0]) * 1000
