@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 
 ## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough)
 demo: $(VENV)/.installed
-	$(BIN)/python -m lit_imagenet.synthetic data/shapes
+	$(BIN)/python -m lit_imagenet.data.synthetic data/shapes
 	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
 
 ## make test: install with the test extras, run the test suite

@@ -5,7 +5,7 @@ A callback for ``train.py fit``::
     python train.py fit --config configs/resnet50.yaml ... --trainer.callbacks+=benchmarks.step_timeline.StepTimeline
 
 (with the repository on ``PYTHONPATH``). PyTorch's profiler doubles the host's time per step of ``fit``
-with ``dali`` (``trace_overlap.py``), so its traces cannot say whether the host, the loader or the GPU
+with ``dali``, so its traces cannot say whether the host, the loader or the GPU
 limits a run without it. This callback costs a few microseconds a hook: at each training batch's start,
 before its backward pass, before its optimizer step and at its end it reads the host clock and records
 a CUDA event on the current stream (the training step's).
@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lit_imagenet.host import sync_device
+from lit_imagenet.training.readback import sync_device
 
 # The marks a step's phases begin at, and the phases' names; each phase ends at the next mark, the last at "end".
 PHASES = {"start": "forward", "backward": "backward", "optimizer": "optimizer"}

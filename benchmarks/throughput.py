@@ -1,7 +1,7 @@
 """Training throughput of the model alone, of a hand-written loop like the reference's, and of ``fit``.
 
-For each architecture, on one generated folder of JPEGs (``lit_imagenet.synthetic.make_shapes``,
-~500x375 at quality 90 by default, as ``benchmarks/fit_resnet50.sh``), it measures side by side:
+For each architecture, on one generated folder of JPEGs (``lit_imagenet.data.synthetic.make_shapes``,
+~500x375 at quality 90 by default), it measures side by side:
 
 * ``model-alone``: a hand-written loop on a random uint8 batch already on the device, normalised
   on the device at each step (channels_last, float16 autocast with a gradient scaler on CUDA,
@@ -143,8 +143,8 @@ def _peak_memory(device: torch.device) -> float | None:
 
 
 def _training_parts(arch: str, args: argparse.Namespace, device: torch.device) -> tuple[Any, ...]:
-    from lit_imagenet.models import build_model
-    from lit_imagenet.schedule import scaled_lr
+    from lit_imagenet.training.models import build_model
+    from lit_imagenet.training.schedule import scaled_lr
 
     model = build_model(arch, args.num_classes).to(device, memory_format=torch.channels_last).train()
     if args.compile:
@@ -194,7 +194,7 @@ def _timed_epochs(name: str, args: argparse.Namespace, device: torch.device, run
 
 def _model_alone_step(parts: tuple[Any, ...], args: argparse.Namespace, device: torch.device) -> Any:
     """One SGD step of ``_training_parts``' model on a random uint8 batch already on the device, normalised there."""
-    from lit_imagenet.presets import Uint8Normalize
+    from lit_imagenet.data.presets import Uint8Normalize
 
     model, optimizer, scaler, criterion = parts
     normalize = Uint8Normalize().to(device)
@@ -227,11 +227,11 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
     from torch.utils.data import DataLoader
     from torchvision import transforms
 
-    from lit_imagenet.datasets import ImageFolderDataset, collate_uint8
-    from lit_imagenet.decoding import load_rgb
-    from lit_imagenet.folders import scan_split
-    from lit_imagenet.prefetch import CUDAPrefetcher
-    from lit_imagenet.presets import Uint8Normalize
+    from lit_imagenet.data.datasets import ImageFolderDataset, collate_uint8
+    from lit_imagenet.data.folders import scan_split
+    from lit_imagenet.data.images import load_rgb
+    from lit_imagenet.data.prefetch import CUDAPrefetcher
+    from lit_imagenet.data.presets import Uint8Normalize
 
     cuda = device.type == "cuda"
     _, samples = scan_split(root / "train")
@@ -398,7 +398,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))  # runs from a checkout, installed or not
-    from lit_imagenet.synthetic import make_shapes
+    from lit_imagenet.data.synthetic import make_shapes
 
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     root = make_shapes(args.data, train_per_class=args.train_per_class, val_per_class=args.val_per_class,

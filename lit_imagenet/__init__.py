@@ -1,52 +1,117 @@
 """lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning.
 
-The data flow, from the folder to the model::
+The package's folders are its layers, each importing only from those below it
+(``tests/test_layout.py`` checks it)::
 
-    root/<split>/<class>/*.jpg
-      -> folders.scan_root         classes and (path, label) samples, checked before training
-      -> datasets / decoding       workers decode (pil, torchvision) or read the JPEG bytes (nvjpeg)
-      -> collate_uint8             uint8 (N, 3, H, W) batches, pinned
-      -> prefetch.PrefetchLoader   on CUDA: copied, decoded (nvjpeg) and normalised one batch ahead
-      -> module.ImageClassifier    channels_last, AMP, SGD; metrics on the device
+    cli, export        the command lines: train.py, python -m lit_imagenet.export
+    callbacks/         what watches and keeps a run: checkpoints, pre-emption, guard, console, logs
+    training/          the LightningModule and its parts: network, metrics, optimizer, schedule,
+                       precision plugins, DDP strategies
+    data/              from the folder to the batch: the scan and its index, decoding, crops,
+                       samplers, datasets, nvJPEG, DALI, the prefetcher, the DataModule
+    compat, errors     Lightning's private attributes; the user's errors
 
-The layers, each importing only from those below it (``tests/test_layout.py`` checks it)::
+From Python, the pieces the command line puts together::
 
-    cli, export                      the command lines
-    callbacks, checkpointing,        Lightning callbacks around a run
-      guard, monitoring
-    module, datamodule               the LightningModule and the DataModule
-    backbone, decoders, metrics,     their parts
-      optim
-    prefetch                         the side-stream prefetcher and its callback
-    dali, datasets, gpu_decode       datasets, collation, GPU batch decoding, the DALI loader
-    decoding, folders, samplers      CPU decoding, the folder layout, the sample order
-    presets                          mean, std, transforms, crop boxes
-    ddp, host, models, precision,    utilities
-      schedule, synthetic
-    compat, errors                   Lightning's private attributes; the user's errors
+    dm = ImageFolderDataModule("data/shapes", batch_size=64, workers=2, crop_size=64, val_resize=72)
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, class_names=dm.classes)
+    pl.Trainer(max_epochs=8, callbacks=default_callbacks(), logger=RunLogger("runs")).fit(model, dm)
 """
 
-from lit_imagenet.callbacks import PredictionWriter
-from lit_imagenet.datamodule import ImageFolderDataModule
-from lit_imagenet.datasets import collate_uint8
-from lit_imagenet.errors import DataError
-from lit_imagenet.module import ImageClassifier
-from lit_imagenet.monitoring import LearningRateLog, Throughput
-from lit_imagenet.prefetch import CUDAPrefetch, PrefetchLoader
-from lit_imagenet.presets import Uint8Normalize
-from lit_imagenet.schedule import WarmupMultiStep, scaled_lr
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callbacks
+from lit_imagenet.callbacks.console import LearningRateLog, Throughput
+from lit_imagenet.data.datamodule import ImageFolderDataModule
+from lit_imagenet.data.prefetch import CUDAPrefetch
+from lit_imagenet.data.synthetic import make_shapes
+from lit_imagenet.errors import ConfigError, DataError, UserError
+from lit_imagenet.training.module import ImageClassifier
 
 __all__ = [
     "CUDAPrefetch",
+    "ConfigError",
     "DataError",
     "ImageClassifier",
     "ImageFolderDataModule",
     "LearningRateLog",
     "PredictionWriter",
-    "PrefetchLoader",
+    "RunLogger",
     "Throughput",
-    "Uint8Normalize",
-    "WarmupMultiStep",
-    "collate_uint8",
-    "scaled_lr",
+    "UserError",
+    "default_callbacks",
+    "make_shapes",
 ]
+
+# Where the modules of the package's first, flat layout went. Configs saved by earlier runs name classes by
+# those paths (``lit_imagenet.monitoring.RunLogger``), and scripts import from them: both keep working.
+_MOVED_MODULES = {
+    "backbone": ("training.models",),
+    "checkpointing": ("callbacks.checkpoints", "callbacks.preemption"),
+    "dali": ("data.dali.loader", "data.dali.pipeline", "data.crops", "data.datamodule"),
+    "datamodule": ("data.datamodule",),
+    "datasets": ("data.datasets", "data.nvjpeg"),
+    "ddp": ("training.strategies", "training.readback"),
+    "decoders": ("data.datamodule",),
+    "decoding": ("data.images", "data.nvjpeg"),
+    "folders": ("data.folders",),
+    "gpu_decode": ("data.nvjpeg",),
+    "guard": ("callbacks.guard",),
+    "host": ("training.readback",),
+    "metrics": ("training.metrics",),
+    "models": ("training.models",),
+    "module": ("training.module",),
+    "monitoring": ("callbacks.console", "callbacks.logs", "callbacks.profiling"),
+    "optim": ("training.optim",),
+    "precision": ("training.precision", "training.strategies"),
+    "prefetch": ("data.prefetch",),
+    "presets": ("data.presets",),
+    "samplers": ("data.samplers",),
+    "schedule": ("training.schedule",),
+    "synthetic": ("data.synthetic",),
+}
+# Names the package itself exported in that layout, now found in the module that holds them.
+_MOVED_NAMES = {
+    "collate_uint8": "data.datasets",
+    "PrefetchLoader": "data.prefetch",
+    "Uint8Normalize": "data.presets",
+    "WarmupMultiStep": "training.schedule",
+    "scaled_lr": "training.schedule",
+}
+
+
+class _MovedModule(types.ModuleType):
+    """An old module path whose names now live in several modules: each name is looked up in them in turn."""
+
+    def __init__(self, name: str, targets: list[types.ModuleType]) -> None:
+        super().__init__(name, f"Moved: its names are in {', '.join(t.__name__ for t in targets)}.")
+        self._targets = targets
+
+    def __getattr__(self, name: str) -> Any:
+        for target in self._targets:
+            if hasattr(target, name):
+                return getattr(target, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+
+
+def _register_moved_modules() -> None:
+    package = sys.modules[__name__]
+    for old, new in _MOVED_MODULES.items():
+        targets = [importlib.import_module(f"{__name__}.{path}") for path in new]
+        module = targets[0] if len(targets) == 1 else _MovedModule(f"{__name__}.{old}", targets)
+        sys.modules.setdefault(f"{__name__}.{old}", module)
+        setattr(package, old, sys.modules[f"{__name__}.{old}"])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_MOVED_NAMES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_register_moved_modules()

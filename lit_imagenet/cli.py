@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -17,27 +18,32 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from lit_imagenet.callbacks import PredictionWriter
-from lit_imagenet.checkpointing import (
+from lit_imagenet.callbacks.checkpoints import (
+    BEST_CHECKPOINT,
     CheckpointWriteError,
-    RequeueSignal,
-    SigtermConsensus,
     StepCheckpoint,
-    catch_requeue_signal,
     find_last_checkpoint,
-    requeue_slurm_job,
-    torchrun_restart_problem,
     use_atomic_checkpoint_io,
 )
+from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
+from lit_imagenet.callbacks.guard import NonFiniteGuard, NonFiniteLossError
+from lit_imagenet.callbacks.logs import RunLogger, TrainingCurves
+from lit_imagenet.callbacks.predictions import PredictionWriter
+from lit_imagenet.callbacks.preemption import (
+    RequeueSignal,
+    SigtermConsensus,
+    catch_requeue_signal,
+    requeue_slurm_job,
+    torchrun_restart_problem,
+)
+from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.compat import untested_version_warning
-from lit_imagenet.datamodule import ImageFolderDataModule
-from lit_imagenet.ddp import DefaultStreamDDPStrategy  # noqa: F401  (registers ddp_default_stream)
+from lit_imagenet.data.datamodule import ImageFolderDataModule
+from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.errors import ConfigError, DataError, UserError
-from lit_imagenet.guard import NonFiniteGuard, NonFiniteLossError
-from lit_imagenet.module import ImageClassifier
-from lit_imagenet.monitoring import ConsoleLog, LearningRateLog, Profile, RunLogger, Throughput, TrainingCurves
-from lit_imagenet.precision import AMPFlags, ApexDDPStrategy, resolve_amp
-from lit_imagenet.prefetch import CUDAPrefetch
+from lit_imagenet.training.module import ImageClassifier
+from lit_imagenet.training.precision import AMPFlags, resolve_amp
+from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers ddp_default_stream and ddp_apex
 
 
 def _trainer_defaults() -> dict[str, Any]:
@@ -58,11 +64,21 @@ def _log_into_root_dir(trainer_config: Namespace | None) -> None:
     if trainer_config is None:
         return
     loggers = trainer_config.get("logger")
-    run_logger = f"{RunLogger.__module__}.{RunLogger.__qualname__}"
     for logger in loggers if isinstance(loggers, list) else [loggers]:
-        if isinstance(logger, Namespace) and logger.get("class_path") == run_logger:
+        if isinstance(logger, Namespace) and _names_class(logger.get("class_path"), RunLogger):
             if logger.init_args.get("save_dir") is None:
                 logger.init_args.save_dir = trainer_config.get("default_root_dir") or os.getcwd()
+
+
+def _names_class(class_path: Any, cls: type) -> bool:
+    """Whether ``class_path`` is an import path of ``cls`` (it may be exported under several)."""
+    if not isinstance(class_path, str) or "." not in class_path:
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None) is cls
+    except ImportError:
+        return False
 
 
 class ImageNetCLI(LightningCLI):
@@ -91,15 +107,7 @@ class ImageNetCLI(LightningCLI):
         parser.link_arguments("data.channels_last", "model.channels_last")
         # Always-present callbacks, each configurable under its own key (--checkpoint.*, --prefetch.*).
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults(
-            {
-                "checkpoint.monitor": "val/top1",
-                "checkpoint.mode": "max",
-                "checkpoint.save_last": True,
-                "checkpoint.filename": "epoch{epoch:03d}-top1{val/top1:.4f}",
-                "checkpoint.auto_insert_metric_name": False,
-            }
-        )
+        parser.set_defaults({f"checkpoint.{key}": value for key, value in BEST_CHECKPOINT.items()})
         parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
         parser.add_lightning_class_args(SigtermConsensus, "sigterm")
         parser.add_lightning_class_args(LearningRateLog, "lr_monitor")

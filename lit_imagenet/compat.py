@@ -155,3 +155,17 @@ def mark_sigterm(trainer: pl.Trainer) -> None:
     connector = _private(trainer, "_signal_connector", "Trainer")
     _private(connector, "received_sigterm", "_SignalConnector")
     connector.received_sigterm = True
+
+
+def count_epoch_as_started(trainer: pl.Trainer) -> None:
+    """Counts the current training epoch as started in the fit loop's progress, if it is not yet.
+
+    Inside an epoch, one more epoch has been started than processed. After a resume from the last
+    step of an epoch Lightning does not count the next epoch as started, and keeps one short from
+    then on: every checkpoint saved inside an epoch would look like one saved at its end.
+    """
+    progress = trainer.fit_loop.epoch_progress
+    current = _private(progress, "current", "_Progress")
+    if current.started <= current.processed:
+        _private(progress, "increment_ready", "_Progress")()
+        _private(progress, "increment_started", "_Progress")()

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lit_imagenet.models import build_model, extract_state_dict
-from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.training.models import build_model, extract_state_dict
 
 
 def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:

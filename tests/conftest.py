@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_imagenet.synthetic import make_shapes
+from lit_imagenet.data.synthetic import make_shapes
 from tests.runs import REPO, BackgroundRun, job_script_flags, run_flags
 
 

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -73,74 +72,6 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
         assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
     assert "| fit-pil | resnet18 | 1 | - (stopped) | - | - |" in proc.stdout
     assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
-
-
-def test_loader_speed_runs_on_cpu(shapes_root: Path, tmp_path: Path) -> None:
-    out = tmp_path / "loaders.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/loader_speed.py"), "--data", str(shapes_root), "--workers", "1",
-         "--batch-size", "4", "--batches", "2", "--decoders", "pil", "torchvision", "nvjpeg@0.5", "--out", str(out)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert [r["decoder"] for r in report["loaders"]] == ["pil", "torchvision", "nvjpeg@0.5"]
-    assert all(r["images_per_sec"] > 0 and r["batches"] == 2 for r in report["loaders"])
-
-
-def test_trace_reader_measures_streams_steps_and_prefetch_ranges() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from trace_overlap import analyse
-    finally:
-        sys.path.pop(0)
-
-    def ev(cat: str, name: str, ts: float, dur: float, tid: int | str = 1, **args: int) -> dict:
-        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
-
-    trace = {
-        "traceEvents": [
-            # main stream 7: busy 0-400 and 600-1000 us (two overlapping kernels count once), idle 200 us
-            ev("kernel", "conv", 0, 300, "stream 7", stream=7),
-            ev("kernel", "bn", 100, 300, "stream 7", stream=7),
-            ev("kernel", "relu", 600, 400, "stream 7", stream=7),
-            # decode stream 20: 300-700, of which 200 us beside the main stream's kernels (300-400, 600-700)
-            ev("kernel", "resize", 300, 400, "stream 20", stream=20),
-            ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 350, 100, "stream 21", stream=21),
-            ev("user_annotation", "train step 0", 0, 400),
-            ev("user_annotation", "train step 1", 400, 300),
-            ev("user_annotation", "train step 2", 700, 500),
-            ev("user_annotation", "prefetch: wait for decode", 400, 50),
-            ev("user_annotation", "prefetch: wait for decode", 700, 30),
-            ev("user_annotation", "prefetch: decode", 300, 200, tid=2),
-            ev("cuda_runtime", "cudaStreamSynchronize", 450, 40, tid=2),
-            ev("cpu_op", "aten::conv", 0, 100),
-            ev("cpu_op", "aten::add", 50, 100),
-            ev("cpu_op", "aten::resize", 300, 10, tid=2),
-            {"ph": "i", "name": "marker", "ts": 5},
-        ]
-    }
-    out = analyse(trace)
-    assert out["main_stream"] == 7
-    assert out["streams"]["7"] == {"kernels": 3, "busy_ms": 0.8, "busy_ms_beside_main_stream": 0.0}
-    assert out["streams"]["20"] == {"kernels": 1, "busy_ms": 0.4, "busy_ms_beside_main_stream": 0.2}
-    assert out["main_stream_window_ms"] == 1.0 and abs(out["main_stream_idle_ms"] - 0.2) < 1e-9
-    assert out["htod_copies_on_side_streams"] == 1 and out["htod_ms_overlapping_main_stream_kernels"] == 0.05
-    assert out["steps"] == 2 and out["step_ms_mean"] == 0.4 and out["step_ms_max"] == 0.5
-    main, decode = out["threads"]["1"], out["threads"]["2"]
-    assert main["prefetch: wait for decode (ms, count)"] == [0.08, 2] and main["operator_ms"] == 0.15
-    assert decode["prefetch: decode (ms, count)"] == [0.2, 1] and decode["sync_ms"] == 0.04
-
-
-def test_resize_gil_benchmark_times_both_versions() -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from resize_gil import measure
-    finally:
-        sys.path.pop(0)
-    out = measure(pictures=4, height=12, width=10, size=6, repeats=1, device=torch.device("cpu"))
-    assert set(out) == {f"{v}_{w}_ms" for v in ("python", "torchscript") for w in ("alone", "beside_busy_thread")}
-    assert all(value > 0 for value in out.values())
 
 
 def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_path: Path, monkeypatch) -> None:
@@ -239,7 +170,7 @@ def test_gpu_check_names_the_commit_whose_files_ran(tmp_path: Path) -> None:
 
 @pytest.mark.dali
 def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
-    """``--decoders dali`` gives a fit-dali row beside model-alone, and a loader_speed row."""
+    """``--decoders dali`` gives a fit-dali row beside model-alone."""
     out = tmp_path / "throughput"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out), "--skip", "loop",
@@ -251,43 +182,6 @@ def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
     assert [r["setting"] for r in rows] == ["model-alone", "fit-dali"]
     assert rows[1]["images_per_sec"] > 0 and rows[1]["ratio"] > 0
     assert "--data.decoder dali" in Path(rows[1]["log"]).read_text().splitlines()[0]
-
-    speed = tmp_path / "loaders.json"
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks/loader_speed.py"), "--data", str(shapes_root), "--workers", "1",
-         "--batch-size", "4", "--batches", "2", "--decoders", "dali", "--out", str(speed)],
-        capture_output=True, text=True, cwd=REPO, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (row,) = json.loads(speed.read_text())["loaders"]
-    assert row["decoder"] == "dali" and row["batches"] == 2 and row["images_per_sec"] > 0
-
-
-@pytest.mark.dali
-def test_dali_cpu_ops_times_each_stage(shapes_root: Path, capsys) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import dali_cpu_ops
-
-    dali_cpu_ops.main(["--data", str(shapes_root), "--threads", "1", "--batch-size", "4", "--batches", "1"])
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("threads")]
-    assert len(lines) == 3 and "us per file" in lines[0] and all("images/s" in line for line in lines[1:])
-    assert "crop windows" in lines[2]
-
-
-@pytest.mark.dali
-def test_dali_contention_times_the_model_beside_and_fed_by_the_pipeline(tmp_path: Path) -> None:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import dali_contention
-
-    out = tmp_path / "contention.json"
-    dali_contention.main(["--smoke", "--out", str(out)])
-    rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == list(dali_contention.ROWS)
-    assert all(row["images_per_sec"] > 0 and row["steps"] == 3 for row in rows.values())
-    assert rows["model-alone"]["ratio_to_model_alone"] == 1.0
-    assert rows["model-beside-pipeline"]["batches_dropped"] == 4  # one a step, the warm-up step's included
-    for name in ("model-taking-batches", "model-fed-by-pipeline", "model-fed-one-ahead"):
-        assert 0 < rows[name]["host_seconds_taking"] <= rows[name]["seconds"]
 
 
 def test_step_timeline_splits_each_epoch_into_head_steps_and_tail(shapes_root: Path, tmp_path: Path, capsys) -> None:

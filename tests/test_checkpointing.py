@@ -11,8 +11,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from lit_imagenet import checkpointing
-from lit_imagenet.checkpointing import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
+from lit_imagenet.callbacks import preemption
+from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
 from tests.cli_args import fit_args as _fit_args
 
@@ -58,7 +58,7 @@ def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(tmp_path: Pa
 
 _KILLED_WRITER = """
 import sys, time, torch
-from lit_imagenet.checkpointing import AtomicCheckpointIO
+from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO
 io, path = AtomicCheckpointIO(), sys.argv[1]
 io.save_checkpoint({"global_step": 1}, path)
 def stuck(obj, f, *a, **k):
@@ -190,7 +190,7 @@ def test_requeue_signal_mid_step_saves_after_that_step_and_requeues_the_job(
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setattr(checkpointing, "_requeue_signalled", False)
+    monkeypatch.setattr(preemption, "_requeue_signalled", False)
     common = ("--data.batch_size", "2", "--trainer.deterministic", "true", "--seed_everything", "3",
               "--trainer.limit_val_batches", "0", "--curves.enabled", "false")  # fmt: skip
     previous = signal.getsignal(signal.SIGUSR1)
@@ -228,10 +228,10 @@ def test_torchrun_restarts_that_cannot_work_are_named(monkeypatch) -> None:
                         "TORCHELASTIC_MAX_RESTARTS": "3"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    problem = checkpointing.torchrun_restart_problem()
+    problem = preemption.torchrun_restart_problem()
     assert problem and "--max-restarts 3" in problem and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    assert checkpointing.torchrun_restart_problem() is None
+    assert preemption.torchrun_restart_problem() is None
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one agent restarts its own group with no trouble
-    assert checkpointing.torchrun_restart_problem() is None
+    assert preemption.torchrun_restart_problem() is None

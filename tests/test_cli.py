@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lit_imagenet.cli import main
-from lit_imagenet.models import build_model
+from lit_imagenet.training.models import build_model
 from tests.cli_args import fit_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_help_shows_docstrings(capsys: pytest.CaptureFixture) -> None:
 
 def test_prefetch_flag_sets_the_callback_that_the_model_attaches(shapes_root: Path, tmp_path: Path) -> None:
     """``--prefetch.enabled`` configures the model's ``CUDAPrefetch``; the trainer is not given one of its own."""
-    from lit_imagenet.prefetch import CUDAPrefetch
+    from lit_imagenet.data.prefetch import CUDAPrefetch
 
     cli = main(fit_args(shapes_root, tmp_path, "--prefetch.enabled", "false")[1:], run=False)
     assert not any(isinstance(cb, CUDAPrefetch) for cb in cli.trainer.callbacks)
@@ -163,7 +163,7 @@ def _metrics(log_dir: Path) -> dict[str, float]:
 @pytest.mark.parametrize("decoder", ["pil", pytest.param("dali", marks=pytest.mark.dali)])
 def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Path, decoder: str) -> None:
     torch.manual_seed(3)
-    from lit_imagenet.models import build_model
+    from lit_imagenet.training.models import build_model
 
     weights = tmp_path / "weights.pt"
     torch.save(build_model("resnet18", 3).state_dict(), weights)
@@ -192,7 +192,7 @@ def test_validation_under_ddp_equals_one_process(shapes_root: Path, tmp_path: Pa
 
 
 def test_the_ddp_recipe_wraps_on_the_training_stream(shapes_root: Path, tmp_path: Path) -> None:
-    from lit_imagenet.ddp import DefaultStreamDDPStrategy
+    from lit_imagenet.training.strategies import DefaultStreamDDPStrategy
 
     config = next(p for p in CONFIGS if p.name == "ddp.yaml")
     cli = main(["--config", str(config), "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path),

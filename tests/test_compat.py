@@ -207,3 +207,12 @@ def test_skip_sigterm_broadcast_replaces_the_loops_broadcast_for_this_run_only()
     assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
     assert "_broadcast_sigterm_tensor" not in vars(other.fit_loop.epoch_loop)
     assert callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None))
+
+
+def test_count_epoch_as_started_counts_the_current_epoch_once() -> None:
+    trainer = pl.Trainer(accelerator="cpu", logger=False)
+    progress = trainer.fit_loop.epoch_progress
+    assert (progress.current.started, progress.current.processed) == (0, 0)
+    compat.count_epoch_as_started(trainer)
+    compat.count_epoch_as_started(trainer)  # inside the epoch already: nothing more
+    assert (progress.current.ready, progress.current.started, progress.current.processed) == (1, 1, 0)

@@ -14,20 +14,12 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.dali import (
-    DALILoader,
-    batch_dtype,
-    choose_decoder,
-    crop_draws,
-    crop_window,
-    crop_windows,
-    dali_install_command,
-    flips,
-)
-from lit_imagenet.datamodule import ImageFolderDataModule
+from lit_imagenet.data.crops import crop_draws, crop_window, crop_windows, flips
+from lit_imagenet.data.dali.loader import DALILoader, batch_dtype, dali_install_command
+from lit_imagenet.data.datamodule import ImageFolderDataModule, choose_decoder
+from lit_imagenet.data.presets import IMAGENET_STD, Uint8Normalize
+from lit_imagenet.data.samplers import EpochSeededSampler, UnpaddedDistributedSampler
 from lit_imagenet.errors import ConfigError, DataError
-from lit_imagenet.presets import IMAGENET_STD, Uint8Normalize
-from lit_imagenet.samplers import EpochSeededSampler, UnpaddedDistributedSampler
 from tests.cli_args import fit_args
 from tests.runs import final_checkpoint, network
 from tests.test_resume import _start, kill_when
@@ -140,7 +132,7 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
     """Sizes from the files' headers (the crop windows' input): JPEG with EXIF, progressive, PNG, grey, CMYK."""
     from PIL import Image
 
-    from lit_imagenet.decoding import image_size, image_sizes
+    from lit_imagenet.data.images import image_size, image_sizes
 
     rng = np.random.default_rng(0)
     paths = []

@@ -5,11 +5,11 @@ import pytest
 import torch
 from PIL import Image
 
-from lit_imagenet.datamodule import ImageFolderDataModule
-from lit_imagenet.datasets import collate_uint8
-from lit_imagenet.decoding import load_rgb, load_rgb_tensor
+from lit_imagenet.data.datamodule import ImageFolderDataModule
+from lit_imagenet.data.datasets import collate_uint8
+from lit_imagenet.data.images import load_rgb, load_rgb_tensor
+from lit_imagenet.data.samplers import UnpaddedDistributedSampler
 from lit_imagenet.errors import DataError
-from lit_imagenet.samplers import UnpaddedDistributedSampler
 
 
 def reference_fast_collate(batch, memory_format):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 
-from lit_imagenet.ddp import DefaultStreamDDPStrategy
+from lit_imagenet.training.strategies import DefaultStreamDDPStrategy
 from tests.cli_args import fit_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,8 +21,8 @@ def test_the_model_is_wrapped_without_a_side_stream(monkeypatch: pytest.MonkeyPa
         raise AssertionError("a side stream was made")
 
     monkeypatch.setattr(torch.cuda, "Stream", no_side_stream)
-    monkeypatch.setattr("lit_imagenet.ddp.DistributedDataParallel", lambda module, device_ids, **kw: made.append(
-        (module, device_ids)) or "wrapped")  # fmt: skip
+    monkeypatch.setattr("lit_imagenet.training.strategies.DistributedDataParallel",
+                        lambda module, device_ids, **kw: made.append((module, device_ids)) or "wrapped")  # fmt: skip
     strategy = DefaultStreamDDPStrategy()
     monkeypatch.setattr(strategy, "determine_ddp_device_ids", lambda: [0])
     model = torch.nn.Linear(2, 2)

@@ -9,7 +9,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.models import build_model
+from lit_imagenet.training.models import build_model
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -139,7 +139,7 @@ def test_bad_finetuning_settings_are_refused(kwargs: dict) -> None:
 def test_ckpt_path_last_with_nothing_to_resume_starts_from_the_weights(shapes_root: Path, tmp_path: Path) -> None:
     """The first launch of a self-resuming fine-tuning job: ``--ckpt_path last`` finds nothing yet."""
     from lit_imagenet.cli import main
-    from lit_imagenet.models import build_model
+    from lit_imagenet.training.models import build_model
     from tests.cli_args import fit_args
 
     source = build_model("resnet18", 1000)

@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.prefetch import CUDAPrefetcher
-from lit_imagenet.presets import Uint8Normalize
+from lit_imagenet.data.prefetch import CUDAPrefetcher
+from lit_imagenet.data.presets import Uint8Normalize
 
 pytestmark = pytest.mark.gpu
 
@@ -114,7 +114,7 @@ def test_channels_last_16_mixed_fit(learnable_root: Path, tmp_path: Path) -> Non
 
 
 def test_nvjpeg_batches_match_the_cpu_decoder(tmp_path: Path) -> None:
-    from lit_imagenet.synthetic import make_shapes
+    from lit_imagenet.data.synthetic import make_shapes
 
     root = make_shapes(str(tmp_path / "jpeg"), train_per_class=6, val_per_class=4, width=160, height=120,
                        num_classes=3)  # fmt: skip
@@ -138,7 +138,7 @@ def test_nvjpeg_batches_match_the_cpu_decoder(tmp_path: Path) -> None:
 
 
 def test_compiled_fit_saves_plain_parameter_names(tmp_path: Path) -> None:
-    from lit_imagenet.synthetic import SyntheticDataModule
+    from lit_imagenet.data.synthetic import SyntheticDataModule
 
     dm = SyntheticDataModule(batch_size=8, crop_size=64, num_classes=4, train_steps=3, val_steps=1)
     model = ImageClassifier("resnet18", num_classes=4, compile=True, warmup_epochs=0)
@@ -162,9 +162,9 @@ def test_no_host_device_sync_during_an_epoch(tmp_path: Path) -> None:
 
     from pytorch_lightning.loggers import CSVLogger
 
-    from lit_imagenet.guard import NonFiniteGuard
-    from lit_imagenet.monitoring import ConsoleLog, LearningRateLog, Throughput
-    from lit_imagenet.synthetic import SyntheticDataModule
+    from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
+    from lit_imagenet.callbacks.guard import NonFiniteGuard
+    from lit_imagenet.data.synthetic import SyntheticDataModule
 
     every, steps = 5, 12
     syncs: dict[int, int] = {}

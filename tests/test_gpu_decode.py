@@ -9,12 +9,17 @@ import torch
 from PIL import Image
 from torchvision import transforms
 
-from lit_imagenet.datamodule import ImageFolderDataModule
-from lit_imagenet.datasets import EncodedImageFolderDataset, gpu_share_picks
-from lit_imagenet.decoding import EncodedImage, load_rgb_tensor
+from lit_imagenet.data.datamodule import ImageFolderDataModule
+from lit_imagenet.data.images import load_rgb_tensor
+from lit_imagenet.data.nvjpeg import (
+    EncodedBatch,
+    EncodedImage,
+    EncodedImageFolderDataset,
+    collate_encoded,
+    gpu_share_picks,
+)
+from lit_imagenet.data.presets import CropBox, center_crop_box, random_crop_box
 from lit_imagenet.errors import DataError
-from lit_imagenet.gpu_decode import EncodedBatch, collate_encoded
-from lit_imagenet.presets import CropBox, center_crop_box, random_crop_box
 
 
 def _module(root: Path, decoder: str, **kwargs) -> ImageFolderDataModule:
@@ -149,7 +154,7 @@ def test_worker_side_decoding_matches_load_rgb_tensor(shapes_root: Path) -> None
 @pytest.mark.parametrize("ahead", [1, 3])
 def test_prefetched_nvjpeg_batches_equal_inline_decoding(shapes_root: Path, ahead: int) -> None:
     """The prefetcher decodes in a thread of its own; the batches must be those decoded inline, in order."""
-    from lit_imagenet.presets import Uint8Normalize
+    from lit_imagenet.data.presets import Uint8Normalize
 
     device = torch.device("cuda")
     dm = _module(shapes_root, "nvjpeg", gpu_share=0.5, gpu_decode_ahead=ahead)
@@ -185,7 +190,7 @@ def test_large_encoded_batches_cross_from_workers_under_a_low_open_file_limit(tm
     """
     import resource
 
-    from lit_imagenet.synthetic import make_shapes
+    from lit_imagenet.data.synthetic import make_shapes
 
     root = make_shapes(str(tmp_path / "jpeg"), train_per_class=200, val_per_class=1, width=24, height=24,
                        num_classes=3)  # fmt: skip
@@ -209,7 +214,7 @@ def _module_like(dm: ImageFolderDataModule, **changes) -> ImageFolderDataModule:
 
 
 def test_compiled_crop_resize_equals_the_python_one() -> None:
-    from lit_imagenet.gpu_decode import _scripted_resize_crops, resize_crops
+    from lit_imagenet.data.nvjpeg import _scripted_resize_crops, resize_crops
 
     gen = torch.Generator().manual_seed(0)
     pictures = [torch.randint(0, 256, (3, 40 + k, 50 - k), dtype=torch.uint8, generator=gen) for k in range(6)]

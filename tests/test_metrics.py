@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lit_imagenet.metrics import accuracy_metrics, train_accuracy_metrics
+from lit_imagenet.training.metrics import accuracy_metrics, train_accuracy_metrics
 
 
 def reference_accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[float]:

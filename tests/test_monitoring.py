@@ -8,10 +8,10 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.checkpointing import StepCheckpoint
+from lit_imagenet.callbacks.checkpoints import StepCheckpoint
+from lit_imagenet.callbacks.guard import NonFiniteGuard, NonFiniteLossError
+from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.cli import main
-from lit_imagenet.guard import NonFiniteGuard, NonFiniteLossError
-from lit_imagenet.monitoring import Profile
 from tests.test_checkpointing import _fit_args
 
 
@@ -182,7 +182,7 @@ def test_every_rank_stops_when_one_rank_trips_the_guard(tmp_path: Path) -> None:
 def test_learning_rates_are_logged_from_the_host_under_lightnings_names(
     shapes_root: Path, tmp_path: Path, interval: str
 ) -> None:
-    from lit_imagenet.monitoring import LearningRateLog
+    from lit_imagenet.callbacks.console import LearningRateLog
 
     logger = CSVLogger(tmp_path)
     model = ImageClassifier("resnet18", num_classes=3, warmup_epochs=1, lr=0.2, backbone_lr_scale=0.5)
@@ -203,7 +203,7 @@ def test_learning_rates_are_logged_from_the_host_under_lightnings_names(
 
 
 def test_learning_rate_log_rejects_an_unknown_interval() -> None:
-    from lit_imagenet.monitoring import LearningRateLog
+    from lit_imagenet.callbacks.console import LearningRateLog
 
     with pytest.raises(ValueError, match="logging_interval must be 'step' or 'epoch'. Got 'batch'"):
         LearningRateLog(logging_interval="batch")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_imagenet.synthetic import make_shapes
+from lit_imagenet.data.synthetic import make_shapes
 from tests.runs import rank_pid
 
 # LIT_IMAGENET_DDP_ON_CPU=1 runs the same tests with two CPU processes (gloo, 32-true), to debug them off a GPU.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision
 
-from lit_imagenet.precision import (
+from lit_imagenet.training.precision import (
     ApexAMP,
     KeepBatchNormHalfPrecision,
     StaticScaleGradScaler,
@@ -246,7 +246,7 @@ def test_apex_gradient_clipping_uses_the_master_parameters(shapes_root: Path, tm
 @pytest.mark.parametrize("strategy", ["ddp", "ddp_default_stream", "ddp_apex"])
 def test_apex_under_several_processes_takes_the_apex_ddp_strategy(fake_apex, strategy: str) -> None:
     from lit_imagenet.cli import _amp_trainer_kwargs
-    from lit_imagenet.precision import AMPFlags
+    from lit_imagenet.training.precision import AMPFlags
 
     config = {"accelerator": "cpu", "devices": 2, "strategy": strategy}
     assert _amp_trainer_kwargs(AMPFlags(opt_level="O2", backend="apex"), config)["strategy"] == "ddp_apex"
@@ -255,7 +255,7 @@ def test_apex_under_several_processes_takes_the_apex_ddp_strategy(fake_apex, str
 def test_apex_refuses_a_strategy_it_cannot_initialise_under(fake_apex) -> None:
     from lit_imagenet.cli import _amp_trainer_kwargs
     from lit_imagenet.errors import ConfigError
-    from lit_imagenet.precision import AMPFlags
+    from lit_imagenet.training.precision import AMPFlags
 
     config = {"accelerator": "cpu", "devices": 2, "strategy": "fsdp"}
     with pytest.raises(ConfigError, match="ddp_apex, not 'fsdp'"):

@@ -6,8 +6,8 @@ import torch
 
 from lit_imagenet.callbacks import PredictionWriter
 from lit_imagenet.cli import main
-from lit_imagenet.models import build_model
-from lit_imagenet.synthetic import SHAPES, make_shapes
+from lit_imagenet.data.synthetic import SHAPES, make_shapes
+from lit_imagenet.training.models import build_model
 
 
 @pytest.fixture(scope="module")

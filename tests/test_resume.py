@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lit_imagenet.cli import main
-from lit_imagenet.samplers import EpochSeededSampler
+from lit_imagenet.data.samplers import EpochSeededSampler
 from tests.cli_args import fit_args
 from tests.runs import differing, final_checkpoint, global_step
 

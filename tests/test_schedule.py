@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
+from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
 def reference_lr(base: float, epoch: int, step: int, len_epoch: int) -> float:

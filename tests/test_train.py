@@ -5,7 +5,7 @@ import pytorch_lightning as pl
 import torch
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.schedule import scaled_lr
+from lit_imagenet.training.schedule import scaled_lr
 
 
 class _Record(pl.Callback):
@@ -102,7 +102,7 @@ def test_sgd_is_fused_only_where_it_can_be() -> None:
 
 def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> None:
     from lit_imagenet.cli import main
-    from lit_imagenet.synthetic import SyntheticDataModule
+    from lit_imagenet.data.synthetic import SyntheticDataModule
 
     cli = main(["fit", "--trainer.accelerator", "cpu", "--model.arch", "resnet18", "--data.batch_size", "4",
                 "--data.crop_size", "32", "--data.num_classes", "3", "--data.train_steps", "3", "--data.val_steps", "1",

@@ -3,7 +3,7 @@
 ``load_rgb`` opens any image with PIL as 8-bit RGB (the reference's path); ``load_rgb_tensor``
 decodes with ``torchvision.io`` straight into a uint8 tensor. For ``--data.decoder nvjpeg`` the
 workers only read a JPEG's bytes (``read_bytes``) and its size from the header (``jpeg_size``), and
-hand over an ``EncodedImage``. Every failure raises ``DataError`` naming the file.
+hand over an ``EncodedImage`` (``lit_imagenet.data.nvjpeg``). Every failure raises ``DataError`` naming the file.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import io
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -21,7 +21,6 @@ from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, read_file
 
 from lit_imagenet.errors import DataError, undecodable_image
-from lit_imagenet.presets import CropBox
 
 JPEG_MAGIC = b"\xff\xd8\xff"
 
@@ -189,13 +188,3 @@ def image_sizes(paths: Sequence[str], threads: int = 8) -> np.ndarray:
 def gpu_decodable(data: Tensor) -> bool:
     """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
     return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
-
-
-class EncodedImage(NamedTuple):
-    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
-
-    data: Tensor
-    box: CropBox
-    size: int
-    flip: bool
-    path: str

@@ -1,12 +1,9 @@
-"""NVIDIA DALI data path (``--data.decoder dali``): decode, crop, resize, flip and normalise in DALI's C++ threads.
+"""The DALI loader (``--data.decoder dali``): an iterable of batches, like a ``DataLoader``, over DALI pipelines.
 
 DALI is an optional dependency (``pip install 'lit_imagenet[dali-cuda130]'``, or ``[dali-cuda120]`` for a
-torch built for CUDA 12); it is imported only when this decoder is used. The pipeline is the one of
-DALI's ResNet-50 example: ``readers.file`` reads the files, the decoder fuses decoding with the crop
-(ROI decoding; on CUDA the ``mixed`` decoder, which hands part of the JPEGs to the GPU's hardware
-decoder), ``resize`` scales the crop, and ``crop_mirror_normalize`` flips, normalises and lays the batch
-out. On a CUDA device every step after file reading runs on the GPU and the batch reaches the model
-with no further copy; elsewhere the same pipeline runs on the CPU (``device_id=None``).
+torch built for CUDA 12); it is imported only when this decoder is used. On a CUDA device every step
+after file reading runs on the GPU and the batch reaches the model with no further copy; elsewhere the
+same pipeline (``lit_imagenet.data.dali.pipeline``) runs on the CPU.
 
 The data module's sampler gives the order: the training order, shard of each process and
 augmentation seed of each sample are those of the other decoders (``EpochSeededSampler``), and
@@ -14,18 +11,10 @@ validation shards are ``UnpaddedDistributedSampler``'s. Each process's reader ge
 own shard, rather than the whole list with DALI's ``shard_id``/``num_shards``, whose shards differ in
 length: under DDP every process must train the same number of batches.
 
-DALI's own random crop (``decoders.image_random_crop``) draws from generators that advance with every
-batch, so a run resumed part-way through an epoch could not draw the same crops again. Here each crop
-window comes from the image's size and uniform numbers derived from the sample's seed, with
-RandomResizedCrop's rule (up to ten tries of an area fraction in ``crop_scale`` and an aspect ratio in
-(3/4, 4/3), else a centre crop), and ``decoders.image_slice`` decodes that window: the same fused ROI
-decoding. The windows are computed with numpy, a batch at a time, in the pipeline's external source
-(``crop_windows``; ``crop_window`` is the rule for one image); the sizes are read from the files'
-headers once per loader (``image_sizes``), the first time a pass needs them. Computed with DALI's
-arithmetic operators instead, the windows took DALI's CPU threads longer than reading the files. A
-pipeline reads the files in the sampler's order, so a resumed epoch starts at the first batch not yet
-trained on; when epochs are short one pipeline reads several in a row, each padded to whole batches,
-since building one takes about 0.7 s, some fifty training steps of ResNet-18 on an H200.
+A pipeline reads the files in the sampler's order, so a resumed epoch starts at the first batch not
+yet trained on. Building a pipeline takes a noticeable time, so pipelines are kept and built ahead:
+when epochs are short one pipeline reads several in a row, each padded to whole batches, and the
+pipeline of the next epochs is built in a thread while validation and checkpointing run.
 """
 
 from __future__ import annotations
@@ -42,16 +31,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from lit_imagenet.decoding import image_sizes, load_rgb
+from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline
+from lit_imagenet.data.images import image_sizes, load_rgb
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.data.samplers import EpochSeededSampler, moves_by_epoch
 from lit_imagenet.errors import ConfigError, DataError
-from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, CropBox
-from lit_imagenet.samplers import EpochSeededSampler, moves_by_epoch
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-CROP_RATIO = (3 / 4, 4 / 3)
-CROP_TRIES = 10
 HW_DECODER_LOAD = 0.65
 # Batches DALI may have read beyond the one it hands over when an error surfaces: its output queue
 # (prefetch_queue_depth, 2 by default) and the file reader's own queue.
@@ -61,7 +49,6 @@ _BATCHES_AHEAD = 3
 # process), while the epochs' orders take about a microsecond per sample to draw and 100 bytes to hold.
 PASS_SAMPLES = 262_144
 PASS_EPOCHS = 16
-_DRAWS = 2 * CROP_TRIES + 3  # area fractions, aspect ratios, top, left, flip
 
 
 def dali_install_command() -> str:
@@ -89,178 +76,12 @@ def import_dali() -> ModuleType:
     return dali
 
 
-def choose_decoder(on_cuda: bool) -> tuple[str, str]:
-    """The decoder ``auto`` stands for, and why: DALI on CUDA when it imports, else nvJPEG on CUDA, else PIL."""
-    if not on_cuda:
-        return "pil", "the run is not on a CUDA device"
-    try:
-        dali = import_dali()
-    except ConfigError:
-        return "nvjpeg", f"the run is on CUDA and NVIDIA DALI is not installed ({dali_install_command()} adds it)"
-    return "dali", f"the run is on CUDA and NVIDIA DALI {dali.__version__} is installed"
-
-
 def batch_dtype(precision: str | None) -> torch.dtype:
     """The dtype of DALI's normalised batches for a Lightning precision: float16 for ``16-*``, else float32.
 
     DALI has no bfloat16 output; bfloat16 runs get float32 (autocast casts it, ``bf16-true`` converts it).
     """
     return torch.float16 if str(precision).startswith("16") else torch.float32
-
-
-def crop_draws(
-    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
-) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed.
-
-    Returns a float64 ``(N, 23)`` array: ten area fractions drawn from ``scale``, ten aspect ratios
-    drawn log-uniformly from ``ratio``, then uniform numbers in [0, 1) for the top and left of the crop
-    and for the flip (mirrored when below 0.5).
-
-    Args:
-        seeds: The samples' augmentation seeds (``EpochSeededSampler``'s).
-        scale: Range of the crop's area, as a fraction of the image.
-        ratio: Range of the crop's aspect ratio (width / height).
-    """
-    seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
-    steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    with np.errstate(over="ignore"):  # SplitMix64: wrapping 64-bit arithmetic is the point
-        x = seeds_u[:, None] + steps[None, :]
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    u = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
-    t = CROP_TRIES
-    out = u.copy()
-    out[:, :t] = scale[0] + (scale[1] - scale[0]) * u[:, :t]
-    low, high = math.log(ratio[0]), math.log(ratio[1])
-    out[:, t : 2 * t] = np.exp(low + (high - low) * u[:, t : 2 * t])
-    return out
-
-
-def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> CropBox:
-    """The crop the training pipeline cuts from a ``height`` x ``width`` image with one row of ``crop_draws``.
-
-    RandomResizedCrop's rule: the first of the tries whose box fits in the image, placed at random;
-    when none fits, the largest centred box with an aspect ratio in ``ratio``.
-
-    Args:
-        height: Image height in pixels.
-        width: Image width in pixels.
-        draws: One row of ``crop_draws``.
-        ratio: The aspect ratio range the draws were made for.
-    """
-    area = float(height) * float(width)
-    for k in range(CROP_TRIES):
-        s, r = draws[k], draws[CROP_TRIES + k]
-        w = math.floor(math.sqrt(area * s * r) + 0.5)
-        h = math.floor(math.sqrt(area * s / r) + 0.5)
-        if 0 < w <= width and 0 < h <= height:
-            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
-            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
-            return CropBox(top, left, h, w)
-    w = min(width, math.floor(height * ratio[1] + 0.5))
-    h = min(height, math.floor(width / ratio[0] + 0.5))
-    return CropBox((height - h) // 2, (width - w) // 2, h, w)
-
-
-def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
-    """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
-
-    Args:
-        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
-        draws: ``(N, 23)`` rows of ``crop_draws``.
-        ratio: The aspect ratio range the draws were made for.
-    """
-    t = CROP_TRIES
-    height = sizes[:, 0:1].astype(np.float64)
-    width = sizes[:, 1:2].astype(np.float64)
-    area = height * width
-    s, r = draws[:, :t], draws[:, t : 2 * t]
-    w = np.floor(np.sqrt(area * s * r) + 0.5)
-    h = np.floor(np.sqrt(area * s / r) + 0.5)
-    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
-    found = fits.any(axis=1)
-    first = fits.argmax(axis=1)[:, None]  # the first try that fits
-    rows = np.arange(len(sizes))
-    fit_w, fit_h = np.take_along_axis(w, first, 1)[:, 0], np.take_along_axis(h, first, 1)[:, 0]
-    height, width = height[:, 0], width[:, 0]
-    centre_w = np.minimum(width, np.floor(height * ratio[1] + 0.5))
-    centre_h = np.minimum(height, np.floor(width / ratio[0] + 0.5))
-    out_w = np.where(found, fit_w, centre_w)
-    out_h = np.where(found, fit_h, centre_h)
-    top = np.where(found, np.floor(draws[rows, 2 * t] * (height - out_h + 1)), (height - out_h) // 2)
-    left = np.where(found, np.floor(draws[rows, 2 * t + 1] * (width - out_w + 1)), (width - out_w) // 2)
-    return np.stack([top, left, out_h, out_w], axis=1).astype(np.int32)
-
-
-def flips(draws: np.ndarray) -> np.ndarray:
-    """Which samples of ``crop_draws`` are mirrored, as int32 0 or 1."""
-    return (draws[:, 2 * CROP_TRIES + 2] < 0.5).astype(np.int32)
-
-
-def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
-    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
-
-    The long side is ``int(resize * long / short)`` and the crop starts at ``round((side - crop) / 2)``
-    (half to even), as torchvision computes them, so the batches match the other decoders' to a grey level.
-
-    Args:
-        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
-        resize: The short side after resizing.
-        crop: The side of the centre crop.
-
-    Returns:
-        float32 ``(N, 2)`` arrays: the resized ``(width, height)``, and the crop's position as
-        ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``.
-    """
-    height = sizes[:, 0].astype(np.float64)
-    width = sizes[:, 1].astype(np.float64)
-    wide = width >= height
-    new_h = np.where(wide, resize, np.floor(resize * height / width))
-    new_w = np.where(wide, np.floor(resize * width / height), resize)
-    pos_x = np.round((new_w - crop) / 2) / np.maximum(new_w - crop, 1)
-    pos_y = np.round((new_h - crop) / 2) / np.maximum(new_h - crop, 1)
-    return np.stack([new_w, new_h], 1).astype(np.float32), np.stack([pos_x, pos_y], 1).astype(np.float32)
-
-
-class _GeometrySource:
-    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions."""
-
-    def __init__(self, sizes: np.ndarray, batch_size: int, resize: int, crop: int) -> None:
-        self.sizes, self.positions = eval_geometry(sizes, resize, crop)
-        self.batch_size = batch_size
-        self.batches = max(1, math.ceil(len(sizes) / batch_size))
-
-    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.sizes) - 1)
-        return self.sizes[rows], self.positions[rows]
-
-
-class _CropSource:
-    """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
-
-    Computed batch by batch with numpy from the samples' seeds and image sizes (about a millisecond per
-    batch of 256, ``benchmarks/dali_cpu_ops.py``), so that DALI's CPU threads only read the files.
-    """
-
-    def __init__(self, seeds: Sequence[int], sizes: np.ndarray, batch_size: int, scale: tuple[float, float]) -> None:
-        self.seeds = np.asarray(seeds, dtype=np.uint64)
-        self.sizes = sizes
-        self.batch_size = batch_size
-        self.scale = scale
-        self.batches = max(1, math.ceil(len(self.seeds) / batch_size))
-
-    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # The reader pads the last batch with its last sample and then starts over: the same here.
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
-        draws = crop_draws(self.seeds[rows], self.scale)
-        box = crop_windows(self.sizes[rows], draws)
-        anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
-        shape = np.ascontiguousarray(box[:, [3, 2]])  # and (width, height)
-        return anchor, shape, flips(draws)
 
 
 class DALILoader:
@@ -393,60 +214,17 @@ class DALILoader:
         return epochs
 
     def _pipeline(self, files: list[str], labels: list[int], seeds: list[int], sizes: np.ndarray) -> Any:
-        from nvidia.dali import fn, pipeline_def, types
-
-        cuda = self.device is not None
-        device_id = None if self.device is None else self.device.index
-        # EXIF orientation is left alone, as PIL and torchvision.io leave it on the other paths.
-        decode_args: dict[str, Any] = {"output_type": types.RGB, "adjust_orientation": False}
-        if self.device is not None:
-            decode_args["hw_decoder_load"] = self.hw_decoder_load
-        decode_device = "mixed" if cuda else "cpu"
-        size = self.crop_size
-
-        # seed: nothing is drawn in the pipeline, the crops come from the samples' seeds
-        @pipeline_def(batch_size=self.batch_size, num_threads=self.threads, device_id=device_id, seed=0)
-        def pipeline() -> tuple[Any, Any]:
-            encoded, label = fn.readers.file(
-                files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
-            )
-            mirror: Any = 0
-            if self.train:
-                anchor, box, mirror = fn.external_source(
-                    source=_CropSource(seeds, sizes, self.batch_size, self.crop_scale),
-                    num_outputs=3,
-                    batch=True,
-                    dtype=[types.INT32, types.INT32, types.INT32],
-                )
-                images = fn.decoders.image_slice(
-                    encoded, anchor, box, normalized_anchor=False, normalized_shape=False, device=decode_device,
-                    **decode_args,
-                )  # fmt: skip
-                images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
-                crop: dict[str, Any] = {}
-            else:
-                images = fn.decoders.image(encoded, device=decode_device, **decode_args)
-                resized, position = fn.external_source(
-                    source=_GeometrySource(sizes, self.batch_size, self.val_resize, size),
-                    num_outputs=2,
-                    batch=True,
-                    dtype=[types.FLOAT, types.FLOAT],
-                )
-                images = fn.resize(images, resize_x=resized[0], resize_y=resized[1], antialias=True)
-                crop = {"crop": (size, size), "crop_pos_x": position[0], "crop_pos_y": position[1]}
-            images = fn.crop_mirror_normalize(
-                images,
-                dtype=types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT,
-                output_layout="HWC" if self.channels_last else "CHW",
-                mean=[255 * m for m in self.mean],
-                std=[255 * s for s in self.std],
-                mirror=mirror,
-                **crop,
-            )
-            label = fn.reshape(fn.cast(label, dtype=types.INT64), shape=[])
-            return images, label.gpu() if cuda else label
-
-        return pipeline()
+        source: CropSource | GeometrySource
+        if self.train:
+            source = CropSource(seeds, sizes, self.batch_size, self.crop_scale)
+        else:
+            source = GeometrySource(sizes, self.batch_size, self.val_resize, self.crop_size)
+        return build_pipeline(
+            files, labels, source, batch_size=self.batch_size, threads=self.threads,
+            device_id=None if self.device is None else self.device.index, crop_size=self.crop_size,
+            dtype=self.dtype, channels_last=self.channels_last, mean=self.mean, std=self.std,
+            hw_decoder_load=self.hw_decoder_load,
+        )  # fmt: skip
 
     def _image_sizes(self, indices: list[int]) -> np.ndarray:
         """The ``(height, width)`` of these samples' images, from their headers, each file read once per loader."""

@@ -27,8 +27,8 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.samplers import moves_by_epoch
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.data.samplers import moves_by_epoch
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -1,9 +1,10 @@
 """The data module: ImageFolder splits under a root as uint8 batches, ready for the GPU-side prefetcher.
 
 It composes the pieces of the data path: the folder scan and its checks (``folders``), the dataset
-and collation of each decoder (``decoders``, ``datasets``, ``gpu_decode``, ``dali``), the samplers and
-the position of a resumed run (``samplers``), the transforms (``presets``) and the loader that copies
-and normalises batches on the GPU one step ahead (``prefetch``). An image that cannot be decoded
+and collation of each ``--data.decoder`` (``datasets``, ``nvjpeg``, ``dali``; ``decoder_dataset``
+and ``choose_decoder`` here), the samplers and the position of a resumed run (``samplers``), the
+transforms (``presets``) and the loader that copies and normalises batches on the GPU one step ahead
+(``prefetch``). An image that cannot be decoded
 raises ``DataError`` naming the file, whether ``verify_images`` finds it up front or a loader worker
 finds it on first read.
 """
@@ -11,7 +12,8 @@ finds it on first read.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,16 +22,52 @@ import torch
 from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import DistributedSampler
 
-from lit_imagenet import presets
-from lit_imagenet.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, choose_decoder, import_dali
-from lit_imagenet.decoders import DECODERS, decoder_dataset
-from lit_imagenet.decoding import verify_image_files
-from lit_imagenet.errors import DataError
-from lit_imagenet.folders import scan_predict, scan_root
-from lit_imagenet.gpu_decode import EncodedBatch
-from lit_imagenet.prefetch import PrefetchLoader
-from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD
-from lit_imagenet.samplers import split_sampler
+from lit_imagenet.data import presets
+from lit_imagenet.data.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, dali_install_command, import_dali
+from lit_imagenet.data.datasets import ImageFolderDataset, collate_uint8
+from lit_imagenet.data.folders import scan_predict, scan_root
+from lit_imagenet.data.images import load_rgb, load_rgb_tensor, verify_image_files
+from lit_imagenet.data.nvjpeg import EncodedBatch, EncodedImageFolderDataset, collate_encoded
+from lit_imagenet.data.prefetch import PrefetchLoader
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.data.samplers import split_sampler
+from lit_imagenet.errors import ConfigError, DataError
+
+DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
+
+
+def decoder_dataset(
+    decoder: str,
+    samples: Sequence[tuple[str, int]],
+    transform: Callable[[Any], Any],
+    memory_format: torch.memory_format,
+    train: bool,
+    *,
+    crop_size: int,
+    crop_scale: tuple[float, float],
+    val_resize: int,
+    gpu_share: float,
+) -> tuple[ImageFolderDataset, Callable[..., Any]]:
+    """The dataset of ``samples`` for ``decoder`` (``auto`` resolved), and the collate function of its batches.
+
+    ``crop_size`` to ``gpu_share`` are those of ``EncodedImageFolderDataset``, which ``nvjpeg`` uses.
+    """
+    if decoder == "nvjpeg":
+        dataset = EncodedImageFolderDataset(samples, transform, train, crop_size, crop_scale, val_resize, gpu_share)
+        return dataset, partial(collate_encoded, memory_format=memory_format)
+    loader = load_rgb_tensor if decoder == "torchvision" else load_rgb
+    return ImageFolderDataset(samples, transform, loader), partial(collate_uint8, memory_format=memory_format)
+
+
+def choose_decoder(on_cuda: bool) -> tuple[str, str]:
+    """The decoder ``auto`` stands for, and why: DALI on CUDA when it imports, else nvJPEG on CUDA, else PIL."""
+    if not on_cuda:
+        return "pil", "the run is not on a CUDA device"
+    try:
+        dali = import_dali()
+    except ConfigError:
+        return "nvjpeg", f"the run is on CUDA and NVIDIA DALI is not installed ({dali_install_command()} adds it)"
+    return "dali", f"the run is on CUDA and NVIDIA DALI {dali.__version__} is installed"
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -52,8 +90,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
             decodes with ``torchvision.io`` and crops and resizes uint8 tensors; ``nvjpeg`` has the
             workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
-            (``lit_imagenet.gpu_decode``), for when the CPU cores cannot decode fast enough; ``dali``
-            reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.dali``;
+            (``lit_imagenet.data.nvjpeg``), for when the CPU cores cannot decode fast enough; ``dali``
+            reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.data.dali``;
             on CUDA the GPU and its hardware JPEG decoder do the work; ``workers`` is then its number of
             CPU threads); ``auto`` picks ``dali`` on CUDA when DALI is installed, else ``nvjpeg`` on CUDA,
             else ``pil``, and logs its choice.

@@ -1,8 +1,8 @@
 """The LightningModule: a torchvision classifier trained and evaluated as the reference did.
 
-Its parts live beside it: the metrics in ``metrics``, the optimizer and the schedule's rescaling in
-``optim``, the head/backbone split in ``backbone``; the prefetcher's callback, which it attaches, in
-``prefetch``.
+Its parts live beside it: the network and its head/backbone split in ``models``, the metrics in
+``metrics``, the optimizer and the schedule's rescaling in ``optim``; the prefetcher's callback, which
+it attaches, in ``lit_imagenet.data.prefetch``.
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
-from lit_imagenet import backbone, optim
 from lit_imagenet.compat import attached_trainer, metric_defaults, writes_log_line
-from lit_imagenet.host import copy_to_host, read_host_copy
-from lit_imagenet.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
-from lit_imagenet.models import build_model, classifier_name
-from lit_imagenet.precision import ApexAMP
-from lit_imagenet.prefetch import CUDAPrefetch
-from lit_imagenet.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
+from lit_imagenet.data.prefetch import CUDAPrefetch
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.training import models, optim
+from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
+from lit_imagenet.training.precision import ApexAMP
+from lit_imagenet.training.readback import copy_to_host, read_host_copy
+from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
 
 
 class ImageClassifier(pl.LightningModule):
@@ -94,8 +93,8 @@ class ImageClassifier(pl.LightningModule):
         if backbone_lr_scale < 0:
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
         self.save_hyperparameters()
-        self.model = build_model(arch, num_classes, weights)
-        self.head_name = classifier_name(self.model)
+        self.model = models.build_model(arch, num_classes, weights)
+        self.head_name = models.classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
         self.criterion = nn.CrossEntropyLoss()
         # No per-step host-device synchronisation in training: no label checks, no NaN check of the
@@ -140,15 +139,15 @@ class ImageClassifier(pl.LightningModule):
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Parameters of the classifier head (the network's final ``nn.Linear``)."""
-        return backbone.head_parameters(self.model, self.head_name)
+        return models.head_parameters(self.model, self.head_name)
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Parameters of the network but its classifier head."""
-        return backbone.backbone_parameters(self.model, self.head_name)
+        return models.backbone_parameters(self.model, self.head_name)
 
     def set_backbone_frozen(self, frozen: bool) -> None:
-        """Stops (or restarts) training of everything but the classifier head (``backbone.set_backbone_frozen``)."""
-        backbone.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
+        """Stops (or restarts) training of everything but the classifier head (``models.set_backbone_frozen``)."""
+        models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
 
     @property
     def backbone_frozen(self) -> bool:

@@ -4,7 +4,7 @@ Each class is a shape (circle, square, triangle, cross, ring, star) drawn at a r
 position and rotation, in a colour whose hue leans to the class (so that a small network learns
 it in a few CPU minutes), on a noisy background of a random colour, saved as JPEG. The folder
 gets ``train/`` and ``val/`` splits; a finished folder is reused when asked for again with the
-same settings. Run ``python -m lit_imagenet.synthetic --help``.
+same settings. Run ``python -m lit_imagenet.data.synthetic --help``.
 """
 
 from __future__ import annotations

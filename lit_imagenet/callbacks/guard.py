@@ -16,7 +16,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lit_imagenet.compat import accumulates_gradients, last_checkpoint_saved, writes_log_line
-from lit_imagenet.ddp import DelayedMax
+from lit_imagenet.training.readback import DelayedMax
 
 
 class NonFiniteLossError(RuntimeError):

@@ -1,54 +1,51 @@
-"""DDP helpers: the ``ddp_default_stream`` strategy, and a cross-rank maximum read without waiting for the GPU.
+"""Reading GPU values on the host without waiting for the GPU's whole queue of work.
 
-``ddp_default_stream`` is Lightning's DDP strategy with the model wrapped on the current CUDA stream.
-
-Lightning 2.6 constructs ``DistributedDataParallel`` under a new side stream (done for whole-network
-CUDA graph capture). DDP keeps references to the parameters' gradient accumulators made there, and
-with torch 2.11 every backward then warns that "the AccumulateGrad node's stream does not match the
-stream of the node that produced the incoming gradient", which "may incur unnecessary
-synchronization". This strategy builds DDP on the stream the forward and backward passes run on.
-Everything else is Lightning's ``DDPStrategy``: ``--trainer.strategy ddp_default_stream``.
+``copy_to_host`` starts a copy to pinned memory and records an event behind it; ``read_host_copy``
+waits for that event only, so a value read a little later costs the GPU no idle time.
+``DelayedMax`` does the same for a maximum over all ranks, started at one check and read at the
+next. ``sync_device`` is the full wait, for clocks that must measure the work queued so far.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
+import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
-from torch.nn import Module
-from torch.nn.parallel import DistributedDataParallel
-from typing_extensions import override
-
-from lit_imagenet.compat import ddp_kwargs, overrides_private
 
 
-class DefaultStreamDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` that wraps the model in ``DistributedDataParallel`` on the current stream."""
-
-    strategy_name = "ddp_default_stream"
-
-    @override
-    @overrides_private(DDPStrategy)
-    def _setup_model(self, model: Module) -> DistributedDataParallel:
-        device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs(self))
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DDP with the model wrapped on the current CUDA stream",
-            start_method="popen",
-        )
+def sync_device(pl_module: pl.LightningModule) -> None:
+    """Waits for the module's GPU, so that a host clock measures the work queued so far."""
+    if pl_module.device.type == "cuda":
+        torch.cuda.synchronize(pl_module.device)
 
 
-if DefaultStreamDDPStrategy.strategy_name not in StrategyRegistry:
-    DefaultStreamDDPStrategy.register_strategies(StrategyRegistry)
+def copy_to_host(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """Starts copying ``tensor`` to host memory, without waiting for the GPU.
+
+    Returns the copy and, for a CUDA tensor, an event recorded right after it on the tensor's
+    current stream: call ``event.synchronize()`` before reading the copy. That wait lasts until the
+    GPU has done the work queued before the copy, not the work queued since, so a value read a
+    little later (after the step's backward pass and optimizer step were queued) costs the GPU no
+    idle time, where ``.item()`` or ``.cpu()`` would wait for the whole queue.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda":
+        return tensor.clone(), None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    stream = torch.cuda.current_stream(tensor.device)
+    host.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return host, event
+
+
+def read_host_copy(copy: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
+    """The value of a ``copy_to_host`` copy, once the GPU has written it."""
+    host, ready = copy
+    if ready is not None:
+        ready.synchronize()
+    return host
 
 
 class DelayedMax:

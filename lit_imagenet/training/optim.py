@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lit_imagenet.schedule import WarmupCosine, WarmupMultiStep
+from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep
 
 
 def global_batch_size(trainer: pl.Trainer) -> int:

@@ -13,8 +13,8 @@ to uint8 and written into one ``(N, 3, S, S)`` batch, ready for the usual normal
 (PNG and other formats, or JPEGs it does not support) are decoded by the workers too; a file that
 neither can decode raises ``DataError`` naming it.
 
-The workers' side (reading the bytes and the header, ``EncodedImage``) is in ``decoding`` and
-``datasets``; this module holds what runs on the GPU, and the collation that feeds it.
+This module holds both sides: the workers' (``EncodedImageFolderDataset``, ``collate_encoded``) and
+the GPU's (``EncodedBatch.decode``).
 """
 
 from __future__ import annotations
@@ -23,14 +23,88 @@ import functools
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from lit_imagenet.decoding import EncodedImage, decode_rgb_bytes
-from lit_imagenet.presets import CropBox
+from lit_imagenet.data.datasets import ImageFolderDataset
+from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, jpeg_size, load_rgb_tensor, read_bytes
+from lit_imagenet.data.presets import CropBox, center_crop_box, random_crop_box
+from lit_imagenet.data.samplers import seeded_rng
+
+
+class EncodedImage(NamedTuple):
+    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
+
+    data: Tensor
+    box: CropBox
+    size: int
+    flip: bool
+    path: str
+
+
+def gpu_share_picks(index: int, share: float) -> bool:
+    """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
+    if share >= 1.0:
+        return True
+    if share <= 0.0:
+        return False
+    return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
+
+
+class EncodedImageFolderDataset(ImageFolderDataset):
+    """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
+
+    A JPEG picked by ``gpu_share`` is only read and its header parsed; the crop box and flip are
+    drawn with the same random draws as ``transform`` makes on the CPU paths (RandomResizedCrop,
+    then the flip), so a seed gives the same crop either way. Other files, and the JPEGs left to the
+    workers, are decoded with ``load_rgb_tensor`` and transformed here.
+
+    Args:
+        samples: ``(path, class index)`` pairs.
+        transform: The CPU transform for the images decoded here.
+        train: Random crop and flip (training) or resize and centre crop (evaluation).
+        crop_size: Side of the output images.
+        crop_scale: Range of the crop's area, as for RandomResizedCrop.
+        val_resize: Short side before the evaluation centre crop.
+        gpu_share: Fraction of the images decoded on the GPU.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        transform: Callable[[Any], Any],
+        train: bool,
+        crop_size: int,
+        crop_scale: tuple[float, float],
+        val_resize: int,
+        gpu_share: float = 1.0,
+    ) -> None:
+        super().__init__(samples, transform, load_rgb_tensor)
+        self.train = train
+        self.crop_size = crop_size
+        self.crop_scale = crop_scale
+        self.val_resize = val_resize
+        self.gpu_share = gpu_share
+
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[Any, int]:
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        path, target = self.samples[index]
+        if not gpu_share_picks(index, self.gpu_share):
+            return super().__getitem__(item)
+        data = read_bytes(path)
+        if not gpu_decodable(data):
+            return super().__getitem__(item)
+        height, width = jpeg_size(data, path)
+        if not self.train:
+            box = center_crop_box(height, width, self.val_resize, self.crop_size)
+            return EncodedImage(data, box, self.crop_size, False, path), target
+        with seeded_rng(seed):  # the draws of RandomResizedCrop, then of the flip, as on the CPU paths
+            box = random_crop_box(height, width, self.crop_scale)
+            flip = bool(torch.rand(1) < 0.5)
+        return EncodedImage(data, box, self.crop_size, flip, path), target
 
 
 @dataclass

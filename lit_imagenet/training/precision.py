@@ -6,9 +6,8 @@ moving over think in opt levels, so:
 
 - ``ApexAMP`` is a precision plugin that drives ``apex.amp`` (``amp.initialize``, ``amp.scale_loss``,
   the loss scaler's state in checkpoints, clipping on apex's master parameters).
-- ``ApexDDPStrategy`` (``--trainer.strategy ddp_apex``) is Lightning's DDP strategy with one change
-  of order: apex needs ``amp.initialize`` to see the bare model and its optimizer before DDP wraps the
-  model, while Lightning's DDP strategy wraps first and connects the precision plugin afterwards.
+- ``--trainer.strategy ddp_apex`` (``lit_imagenet.training.strategies``) runs ``amp.initialize`` on the
+  bare model before DDP wraps it.
 - ``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale``
   into the apex plugin when ``apex.amp`` can be imported, and into the closest native setting
   otherwise (``O0`` -> ``32-true``, ``O1``/``O2`` -> ``16-mixed``, ``O3`` -> ``16-true``), saying which.
@@ -27,15 +26,13 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lit_imagenet.compat import attached_trainer, layer_sync
+from lit_imagenet.compat import attached_trainer
 
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -170,44 +167,6 @@ class ApexAMP(Precision):
             self.amp.load_state_dict(state_dict)
         else:
             self._pending_state = dict(state_dict)
-
-
-class ApexDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy, but ``amp.initialize`` runs on the bare model before DDP wraps it.
-
-    Registered as ``ddp_apex``. With any precision plugin other than ``ApexAMP`` it behaves exactly
-    like ``ddp``.
-    """
-
-    strategy_name = "ddp_apex"
-
-    @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        if not isinstance(self.precision_plugin, ApexAMP) or trainer.state.fn != TrainerFn.FITTING:
-            super().setup(trainer)
-            return
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        sync = layer_sync(self)
-        if sync:
-            self.model = sync.apply(self.model)
-        self.model_to_device()
-        self.setup_optimizers(trainer)
-        model, optimizers = self.precision_plugin.initialize(self.model, self.optimizers)
-        self.model, self.optimizers = model, optimizers
-        self.configure_ddp()
-        self.setup_precision_plugin()  # the plugin is initialised already: this only attaches it
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DDP with apex AMP initialised before wrapping", start_method="popen"
-        )
-
-
-if ApexDDPStrategy.strategy_name not in StrategyRegistry:
-    ApexDDPStrategy.register_strategies(StrategyRegistry)
 
 
 class StaticScaleGradScaler(torch.amp.GradScaler):

@@ -1,0 +1,136 @@
+"""The crop rule of every decoder: RandomResizedCrop's boxes drawn from a sample's seed, and evaluation's centre crop.
+
+``crop_draws`` turns augmentation seeds into the uniform numbers of a crop and a flip (SplitMix64,
+vectorised with numpy); ``crop_window`` and ``crop_windows`` apply RandomResizedCrop's rule to them
+for one image or many; ``eval_geometry`` gives torchvision's resize and centre-crop geometry for
+many images at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from lit_imagenet.data.presets import CropBox
+
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10
+_DRAWS = 2 * CROP_TRIES + 3  # area fractions, aspect ratios, top, left, flip
+
+
+def crop_draws(
+    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
+) -> np.ndarray:
+    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed.
+
+    Returns a float64 ``(N, 23)`` array: ten area fractions drawn from ``scale``, ten aspect ratios
+    drawn log-uniformly from ``ratio``, then uniform numbers in [0, 1) for the top and left of the crop
+    and for the flip (mirrored when below 0.5).
+
+    Args:
+        seeds: The samples' augmentation seeds (``EpochSeededSampler``'s).
+        scale: Range of the crop's area, as a fraction of the image.
+        ratio: Range of the crop's aspect ratio (width / height).
+    """
+    seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
+    steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):  # SplitMix64: wrapping 64-bit arithmetic is the point
+        x = seeds_u[:, None] + steps[None, :]
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    u = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    t = CROP_TRIES
+    out = u.copy()
+    out[:, :t] = scale[0] + (scale[1] - scale[0]) * u[:, :t]
+    low, high = math.log(ratio[0]), math.log(ratio[1])
+    out[:, t : 2 * t] = np.exp(low + (high - low) * u[:, t : 2 * t])
+    return out
+
+
+def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> CropBox:
+    """The crop the training pipeline cuts from a ``height`` x ``width`` image with one row of ``crop_draws``.
+
+    RandomResizedCrop's rule: the first of the tries whose box fits in the image, placed at random;
+    when none fits, the largest centred box with an aspect ratio in ``ratio``.
+
+    Args:
+        height: Image height in pixels.
+        width: Image width in pixels.
+        draws: One row of ``crop_draws``.
+        ratio: The aspect ratio range the draws were made for.
+    """
+    area = float(height) * float(width)
+    for k in range(CROP_TRIES):
+        s, r = draws[k], draws[CROP_TRIES + k]
+        w = math.floor(math.sqrt(area * s * r) + 0.5)
+        h = math.floor(math.sqrt(area * s / r) + 0.5)
+        if 0 < w <= width and 0 < h <= height:
+            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
+            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
+            return CropBox(top, left, h, w)
+    w = min(width, math.floor(height * ratio[1] + 0.5))
+    h = min(height, math.floor(width / ratio[0] + 0.5))
+    return CropBox((height - h) // 2, (width - w) // 2, h, w)
+
+
+def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
+    """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
+
+    Args:
+        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        draws: ``(N, 23)`` rows of ``crop_draws``.
+        ratio: The aspect ratio range the draws were made for.
+    """
+    t = CROP_TRIES
+    height = sizes[:, 0:1].astype(np.float64)
+    width = sizes[:, 1:2].astype(np.float64)
+    area = height * width
+    s, r = draws[:, :t], draws[:, t : 2 * t]
+    w = np.floor(np.sqrt(area * s * r) + 0.5)
+    h = np.floor(np.sqrt(area * s / r) + 0.5)
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    found = fits.any(axis=1)
+    first = fits.argmax(axis=1)[:, None]  # the first try that fits
+    rows = np.arange(len(sizes))
+    fit_w, fit_h = np.take_along_axis(w, first, 1)[:, 0], np.take_along_axis(h, first, 1)[:, 0]
+    height, width = height[:, 0], width[:, 0]
+    centre_w = np.minimum(width, np.floor(height * ratio[1] + 0.5))
+    centre_h = np.minimum(height, np.floor(width / ratio[0] + 0.5))
+    out_w = np.where(found, fit_w, centre_w)
+    out_h = np.where(found, fit_h, centre_h)
+    top = np.where(found, np.floor(draws[rows, 2 * t] * (height - out_h + 1)), (height - out_h) // 2)
+    left = np.where(found, np.floor(draws[rows, 2 * t + 1] * (width - out_w + 1)), (width - out_w) // 2)
+    return np.stack([top, left, out_h, out_w], axis=1).astype(np.int32)
+
+
+def flips(draws: np.ndarray) -> np.ndarray:
+    """Which samples of ``crop_draws`` are mirrored, as int32 0 or 1."""
+    return (draws[:, 2 * CROP_TRIES + 2] < 0.5).astype(np.int32)
+
+
+def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
+
+    The long side is ``int(resize * long / short)`` and the crop starts at ``round((side - crop) / 2)``
+    (half to even), as torchvision computes them, so the batches match the other decoders' to a grey level.
+
+    Args:
+        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        resize: The short side after resizing.
+        crop: The side of the centre crop.
+
+    Returns:
+        float32 ``(N, 2)`` arrays: the resized ``(width, height)``, and the crop's position as
+        ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``.
+    """
+    height = sizes[:, 0].astype(np.float64)
+    width = sizes[:, 1].astype(np.float64)
+    wide = width >= height
+    new_h = np.where(wide, resize, np.floor(resize * height / width))
+    new_w = np.where(wide, np.floor(resize * width / height), resize)
+    pos_x = np.round((new_w - crop) / 2) / np.maximum(new_w - crop, 1)
+    pos_y = np.round((new_h - crop) / 2) / np.maximum(new_h - crop, 1)
+    return np.stack([new_w, new_h], 1).astype(np.float32), np.stack([pos_x, pos_y], 1).astype(np.float32)

@@ -1,0 +1,128 @@
+"""The DALI pipeline graph, and the external sources that give it each batch's crop windows and sizes.
+
+The graph is that of DALI's ResNet-50 example: ``readers.file`` reads the files in the order given,
+the decoder fuses decoding with the crop (ROI decoding; on CUDA the ``mixed`` decoder, which hands
+part of the JPEGs to the GPU's hardware decoder), ``resize`` scales the crop, and
+``crop_mirror_normalize`` flips, normalises and lays the batch out. Nothing is drawn at random in
+the pipeline: the crop windows come from the samples' seeds (``lit_imagenet.data.crops``) through an
+external source, so that a resumed epoch cuts the same crops again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips
+
+
+class GeometrySource:
+    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions."""
+
+    def __init__(self, sizes: np.ndarray, batch_size: int, resize: int, crop: int) -> None:
+        self.sizes, self.positions = eval_geometry(sizes, resize, crop)
+        self.batch_size = batch_size
+        self.batches = max(1, math.ceil(len(sizes) / batch_size))
+
+    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
+        start = (iteration % self.batches) * self.batch_size
+        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.sizes) - 1)
+        return self.sizes[rows], self.positions[rows]
+
+
+class CropSource:
+    """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
+
+    Computed batch by batch with numpy from the samples' seeds and image sizes, so that DALI's CPU
+    threads only read and decode the files.
+    """
+
+    def __init__(self, seeds: Sequence[int], sizes: np.ndarray, batch_size: int, scale: tuple[float, float]) -> None:
+        self.seeds = np.asarray(seeds, dtype=np.uint64)
+        self.sizes = sizes
+        self.batch_size = batch_size
+        self.scale = scale
+        self.batches = max(1, math.ceil(len(self.seeds) / batch_size))
+
+    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # The reader pads the last batch with its last sample and then starts over: the same here.
+        start = (iteration % self.batches) * self.batch_size
+        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
+        draws = crop_draws(self.seeds[rows], self.scale)
+        box = crop_windows(self.sizes[rows], draws)
+        anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
+        shape = np.ascontiguousarray(box[:, [3, 2]])  # and (width, height)
+        return anchor, shape, flips(draws)
+
+
+def build_pipeline(
+    files: list[str],
+    labels: list[int],
+    source: CropSource | GeometrySource,
+    *,
+    batch_size: int,
+    threads: int,
+    device_id: int | None,
+    crop_size: int,
+    dtype: torch.dtype,
+    channels_last: bool,
+    mean: Sequence[float],
+    std: Sequence[float],
+    hw_decoder_load: float,
+) -> Any:
+    """A DALI pipeline that reads ``files`` in order and yields ``(images, labels)`` batches.
+
+    A ``CropSource`` makes it a training pipeline (the source's crop windows, resized to ``crop_size``
+    squared, mirrored where the source says); a ``GeometrySource`` an evaluation one (the whole image
+    resized and centre-cropped as the source says). ``device_id`` ``None`` runs it on the CPU.
+    """
+    from nvidia.dali import fn, pipeline_def, types
+
+    cuda = device_id is not None
+    decode_device = "mixed" if cuda else "cpu"
+    # EXIF orientation is left alone, as PIL and torchvision.io leave it on the other paths.
+    decode_args: dict[str, Any] = {"output_type": types.RGB, "adjust_orientation": False}
+    if cuda:
+        decode_args["hw_decoder_load"] = hw_decoder_load
+
+    # seed: nothing is drawn in the pipeline, the crops come from the samples' seeds
+    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=0)
+    def pipeline() -> tuple[Any, Any]:
+        encoded, label = fn.readers.file(
+            files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
+        )
+        mirror: Any = 0
+        crop: dict[str, Any] = {}
+        if isinstance(source, CropSource):
+            anchor, box, mirror = fn.external_source(
+                source=source, num_outputs=3, batch=True, dtype=[types.INT32, types.INT32, types.INT32]
+            )
+            images = fn.decoders.image_slice(
+                encoded, anchor, box, normalized_anchor=False, normalized_shape=False, device=decode_device,
+                **decode_args,
+            )  # fmt: skip
+            images = fn.resize(images, resize_x=crop_size, resize_y=crop_size, antialias=True)
+        else:
+            images = fn.decoders.image(encoded, device=decode_device, **decode_args)
+            resized, position = fn.external_source(
+                source=source, num_outputs=2, batch=True, dtype=[types.FLOAT, types.FLOAT]
+            )
+            images = fn.resize(images, resize_x=resized[0], resize_y=resized[1], antialias=True)
+            crop = {"crop": (crop_size, crop_size), "crop_pos_x": position[0], "crop_pos_y": position[1]}
+        images = fn.crop_mirror_normalize(
+            images,
+            dtype=types.FLOAT16 if dtype == torch.float16 else types.FLOAT,
+            output_layout="HWC" if channels_last else "CHW",
+            mean=[255 * m for m in mean],
+            std=[255 * s for s in std],
+            mirror=mirror,
+            **crop,
+        )
+        label = fn.reshape(fn.cast(label, dtype=types.INT64), shape=[])
+        return images, label.gpu() if cuda else label
+
+    return pipeline()

@@ -1,0 +1,87 @@
+"""Datasets of ``(image, label)`` samples, and their collation into uint8 batches.
+
+Batches are collated as uint8 ``(N, 3, H, W)`` tensors in the requested memory format, as NVIDIA
+apex's ImageNet example did (its ``fast_collate``): conversion to float and normalisation happen on
+the GPU (``lit_imagenet.data.prefetch``), not in the workers. For ``--data.decoder nvjpeg`` the samples
+picked for the GPU stay encoded (``lit_imagenet.data.nvjpeg``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from lit_imagenet.data.images import load_rgb
+from lit_imagenet.data.samplers import seeded_rng
+
+
+class ImageFolderDataset(Dataset):
+    """``(image, class index)`` pairs from scanned samples, each image opened with ``load_rgb``.
+
+    Args:
+        samples: ``(path, class index)`` pairs.
+        transform: Applied to each image.
+        loader: Opens a path: ``load_rgb`` (a PIL image) or ``load_rgb_tensor`` (a uint8 tensor).
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[tuple[str, int]],
+        transform: Callable[[Any], Any] | None = None,
+        loader: Callable[[str], Any] = load_rgb,
+    ):
+        self.samples = list(samples)
+        self.transform = transform
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[Any, int]:
+        """``item`` is an index, or ``(index, seed)`` from ``EpochSeededSampler`` to fix the augmentation."""
+        index, seed = item if isinstance(item, tuple) else (item, None)
+        path, target = self.samples[index]
+        img = self.loader(path)
+        if self.transform is not None:
+            with seeded_rng(seed):
+                img = self.transform(img)
+        return img, target
+
+
+def collate_uint8(
+    batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
+) -> list[Tensor]:
+    """Stacks PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W), int64 (N,)]``.
+
+    All images of a batch must have the same size. With ``torch.channels_last`` the images are
+    written straight into an NHWC buffer, which is what channels_last means, so no copy is needed.
+    """
+    if not batch:
+        raise ValueError("Cannot collate an empty batch.")
+    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
+    arrays = [_hwc_uint8(img) for img, _ in batch]
+    shape = arrays[0].shape
+    for i, a in enumerate(arrays):
+        if a.shape != shape:
+            raise ValueError(f"All images of a batch need one size. Image 0 is {shape}, image {i} is {a.shape}")
+    nhwc = torch.from_numpy(np.stack(arrays))
+    images = nhwc.permute(0, 3, 1, 2)
+    if memory_format != torch.channels_last:
+        images = images.contiguous(memory_format=memory_format)
+    return [images, targets]
+
+
+def _hwc_uint8(img: Any) -> np.ndarray:
+    if isinstance(img, Tensor):
+        if img.dtype != torch.uint8 or img.ndim != 3:
+            raise ValueError(f"Expected uint8 (C, H, W) image tensors. Got {img.dtype} of shape {tuple(img.shape)}")
+        return img.permute(1, 2, 0).numpy()
+    array = np.asarray(img, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[:, :, None]
+    return array
