@@ -263,3 +263,34 @@ def test_a_different_epoch_than_the_one_started_early_is_not_used(shapes_root: P
     started_early = dm.train_dataloader()
     started_early.sampler.set_epoch(1)  # the epoch the workers had started on
     assert not all(torch.equal(a[0], b[0]) for a, b in zip(jumped, list(started_early)))
+
+
+def test_every_decoder_cuts_the_crop_and_flip_of_the_crop_rule(shapes_root: Path) -> None:
+    """pil and torchvision (TrainCrop), nvjpeg's workers and DALI's external source: one box and flip per seed."""
+    from torchvision.transforms.v2 import functional as F
+
+    from lit_imagenet.data.crops import crop_and_flip
+    from lit_imagenet.data.dali.pipeline import CropSource
+    from lit_imagenet.data.images import image_size
+
+    def module(decoder: str) -> ImageFolderDataModule:
+        return ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=24, val_resize=36,
+                                     crop_scale=(0.2, 0.9), decoder=decoder, seed=11)  # fmt: skip
+
+    order = list(module("pil").train_dataloader().sampler)[:8]
+    paths = [module("pil").samples("train")[i][0] for i, _ in order]
+    sizes = np.array([image_size(p) for p in paths], dtype=np.int32)
+    rule = [crop_and_flip(int(h), int(w), seed, (0.2, 0.9)) for (h, w), (_, seed) in zip(sizes, order)]
+    assert len({box for box, _ in rule}) == len(rule) and {flip for _, flip in rule} == {True, False}
+    for decoder, load in (("pil", load_rgb), ("torchvision", load_rgb_tensor)):
+        dataset = module(decoder).train_dataloader().dataset
+        for item, path, (box, flip) in zip(order, paths, rule):
+            want = F.resized_crop(load(path), box.top, box.left, box.height, box.width, [24, 24], antialias=True)
+            want = F.horizontal_flip(want) if flip else want
+            got = dataset[item][0]
+            assert np.array_equal(np.asarray(got), np.asarray(want)), (decoder, path)
+    nvjpeg = module("nvjpeg").train_dataloader().dataset
+    assert [(nvjpeg[item][0].box, nvjpeg[item][0].flip) for item in order] == rule
+    anchor, shape, mirror = CropSource([seed for _, seed in order], sizes, 8, (0.2, 0.9))(0)
+    dali = [((int(y), int(x), int(h), int(w)), bool(m)) for (x, y), (w, h), m in zip(anchor, shape, mirror)]
+    assert dali == [(tuple(box), flip) for box, flip in rule]

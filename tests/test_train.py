@@ -37,12 +37,15 @@ def test_short_fit_lowers_the_loss(learnable_root: Path, tmp_path: Path) -> None
     dm = ImageFolderDataModule(
         str(learnable_root), batch_size=16, workers=0, crop_size=32, val_resize=36, crop_scale=(0.5, 1.0)
     )
-    # 0.2 per 256 (0.0125 at batch 16): at 0.4 the run diverged with torch 2.14 (mean loss 1.81, then 2.50)
-    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.2, warmup_epochs=0, class_names=dm.classes)
+    # 0.2 per 256 (0.0125 at batch 16), a tenth of it for the last 2 epochs: the losses of single epochs
+    # at the full rate go up and down by half (seeds 0 to 3), those of the last epoch stay below 0.6.
+    model = ImageClassifier(
+        "resnet18", num_classes=dm.num_classes, lr=0.2, warmup_epochs=0, milestones=[4], class_names=dm.classes
+    )
     record = _Record()
-    trainer = _trainer(tmp_path, max_epochs=4, callbacks=[record], num_sanity_val_steps=0)
+    trainer = _trainer(tmp_path, max_epochs=6, callbacks=[record], num_sanity_val_steps=0)
     trainer.fit(model, dm)
-    per_epoch = len(record.losses) // 4
+    per_epoch = len(record.losses) // 6
     first = sum(record.losses[:per_epoch]) / per_epoch
     last = sum(record.losses[-per_epoch:]) / per_epoch
     assert last < 0.75 * first, (first, last)

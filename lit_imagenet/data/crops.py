@@ -1,23 +1,36 @@
 """The crop rule of every decoder: RandomResizedCrop's boxes drawn from a sample's seed, and evaluation's centre crop.
 
-``crop_draws`` turns augmentation seeds into the uniform numbers of a crop and a flip (SplitMix64,
+A training sample's crop and flip depend on its augmentation seed (``EpochSeededSampler``'s) and its
+image's size alone, and every decoder cuts them by this module: ``pil`` and ``torchvision`` through
+``presets.TrainCrop``, ``nvjpeg`` in its workers, ``dali`` in its pipeline's external source, a batch
+at a time. ``crop_draws`` turns seeds into the uniform numbers of a crop and a flip (SplitMix64,
 vectorised with numpy); ``crop_window`` and ``crop_windows`` apply RandomResizedCrop's rule to them
-for one image or many; ``eval_geometry`` gives torchvision's resize and centre-crop geometry for
-many images at once.
+for one image or many (up to ten tries of an area fraction in ``scale`` and an aspect ratio in
+(3/4, 4/3), else the largest centred box of such a ratio); ``crop_and_flip`` is both for one sample.
+``center_crop_box`` and ``eval_geometry`` give torchvision's resize and centre crop for one image or many.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
-
-from lit_imagenet.data.presets import CropBox
+import torch
 
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
 _DRAWS = 2 * CROP_TRIES + 3  # area fractions, aspect ratios, top, left, flip
+
+
+class CropBox(NamedTuple):
+    """A region of a source image, in pixels."""
+
+    top: int
+    left: int
+    height: int
+    width: int
 
 
 def crop_draws(
@@ -111,6 +124,17 @@ def flips(draws: np.ndarray) -> np.ndarray:
     return (draws[:, 2 * CROP_TRIES + 2] < 0.5).astype(np.int32)
 
 
+def crop_and_flip(height: int, width: int, seed: int | None, scale: tuple[float, float]) -> tuple[CropBox, bool]:
+    """The crop box and the flip of a training sample with augmentation ``seed`` in a ``height`` x ``width`` image.
+
+    ``seed`` ``None`` draws one from torch's generator, so that an unseeded dataset still augments at random.
+    """
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    draws = crop_draws([seed], scale)
+    return crop_window(height, width, draws[0]), bool(flips(draws)[0])
+
+
 def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
     """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
 
@@ -134,3 +158,17 @@ def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray
     pos_x = np.round((new_w - crop) / 2) / np.maximum(new_w - crop, 1)
     pos_y = np.round((new_h - crop) / 2) / np.maximum(new_h - crop, 1)
     return np.stack([new_w, new_h], 1).astype(np.float32), np.stack([pos_x, pos_y], 1).astype(np.float32)
+
+
+def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
+    """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
+    short, long = (height, width) if height <= width else (width, height)
+    new_long = int(resize * long / short)
+    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
+    top = int(round((new_h - crop) / 2.0))
+    left = int(round((new_w - crop) / 2.0))
+    scale_h, scale_w = height / new_h, width / new_w
+    src_top, src_left = int(round(top * scale_h)), int(round(left * scale_w))
+    src_h = max(1, min(height - src_top, int(round(crop * scale_h))))
+    src_w = max(1, min(width - src_left, int(round(crop * scale_w))))
+    return CropBox(src_top, src_left, src_h, src_w)

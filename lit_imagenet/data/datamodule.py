@@ -195,7 +195,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
 
     def train_transform(self) -> Callable[[Any], Any]:
         """RandomResizedCrop and horizontal flip, on PIL images (``pil``) or uint8 tensors (the others)."""
-        return presets.train_transform(self.crop_size, self.crop_scale, tensors=self.decoder_in_use() != "pil")
+        return presets.train_transform(self.crop_size, self.crop_scale)
 
     def eval_transform(self) -> Callable[[Any], Any]:
         """Resize of the short side, then centre crop; on PIL images (``pil``) or uint8 tensors (the others)."""

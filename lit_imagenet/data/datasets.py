@@ -47,8 +47,10 @@ class ImageFolderDataset(Dataset):
         index, seed = item if isinstance(item, tuple) else (item, None)
         path, target = self.samples[index]
         img = self.loader(path)
-        if self.transform is not None:
-            with seeded_rng(seed):
+        if getattr(self.transform, "takes_seed", False):
+            img = self.transform(img, seed)  # the crop rule of every decoder (presets.TrainCrop)
+        elif self.transform is not None:
+            with seeded_rng(seed):  # any other transform draws from torch's generator, seeded per sample
                 img = self.transform(img)
         return img, target
 

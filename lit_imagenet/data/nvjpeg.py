@@ -1,8 +1,8 @@
 """JPEG decoding on the GPU: the workers only read file bytes and draw the crops; nvJPEG decodes whole batches.
 
 With ``--data.decoder nvjpeg`` each loader worker reads a JPEG's bytes, parses its header for the
-image size and draws the random crop and flip (with the same random draws as the CPU decoders, so
-a seed gives the same crops on either path). A batch is collated as an ``EncodedBatch``: the
+image size and takes the crop and flip from the sample's seed (``lit_imagenet.data.crops``, the rule
+of every decoder, so a seed gives the same crops on any path). A batch is collated as an ``EncodedBatch``: the
 encoded files, the crop boxes, the flips and the labels. On the device the batch is decoded with
 one batched ``torchvision.io.decode_jpeg(..., device="cuda")`` call, each crop is resized with
 antialiased bilinear interpolation (as ``RandomResizedCrop`` and ``Resize`` do on tensors), rounded
@@ -29,10 +29,9 @@ import torch
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from lit_imagenet.data.crops import CropBox, center_crop_box, crop_and_flip
 from lit_imagenet.data.datasets import ImageFolderDataset
 from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, jpeg_size, load_rgb_tensor, read_bytes
-from lit_imagenet.data.presets import CropBox, center_crop_box, random_crop_box
-from lit_imagenet.data.samplers import seeded_rng
 
 
 class EncodedImage(NamedTuple):
@@ -57,10 +56,9 @@ def gpu_share_picks(index: int, share: float) -> bool:
 class EncodedImageFolderDataset(ImageFolderDataset):
     """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
 
-    A JPEG picked by ``gpu_share`` is only read and its header parsed; the crop box and flip are
-    drawn with the same random draws as ``transform`` makes on the CPU paths (RandomResizedCrop,
-    then the flip), so a seed gives the same crop either way. Other files, and the JPEGs left to the
-    workers, are decoded with ``load_rgb_tensor`` and transformed here.
+    A JPEG picked by ``gpu_share`` is only read and its header parsed; its crop box and flip are
+    ``crop_and_flip``'s for the sample's seed, those ``transform`` cuts on the CPU paths. Other files,
+    and the JPEGs left to the workers, are decoded with ``load_rgb_tensor`` and transformed here.
 
     Args:
         samples: ``(path, class index)`` pairs.
@@ -101,9 +99,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        with seeded_rng(seed):  # the draws of RandomResizedCrop, then of the flip, as on the CPU paths
-            box = random_crop_box(height, width, self.crop_scale)
-            flip = bool(torch.rand(1) < 0.5)
+        box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
         return EncodedImage(data, box, self.crop_size, flip, path), target
 
 

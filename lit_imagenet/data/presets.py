@@ -1,21 +1,23 @@
-"""ImageNet presets: the normalisation constants, the train and eval transforms, and the crop boxes they cut.
+"""ImageNet presets: the normalisation constants and the train and eval transforms of the CPU decoders.
 
-Every decoder cuts the same crops: the PIL and ``torchvision`` paths run the transforms built here,
-and the GPU paths (nvJPEG, DALI) cut the boxes computed here with the same random draws, so a seed
-gives the same crop and flip on any of them. Normalisation happens after the batch is collated as
-uint8, on the GPU when there is one (``Uint8Normalize``).
+The training crop and flip come from the crop rule of every decoder (``lit_imagenet.data.crops``):
+the PIL and ``torchvision`` paths cut them with ``TrainCrop``, the nvJPEG and DALI paths cut the same
+boxes on the GPU, so a seed gives the same crop and flip on any of them. Normalisation happens after
+the batch is collated as uint8, on the GPU when there is one (``Uint8Normalize``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torchvision import transforms
-from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms import v2 as transforms_v2
+from torchvision.transforms.v2 import functional as F
+
+from lit_imagenet.data.crops import crop_and_flip
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -52,51 +54,43 @@ class Uint8Normalize(nn.Module):
         return out.mul_(self.scale.to(dtype)).add_(self.shift.to(dtype))
 
 
-def _transforms(tensors: bool) -> Any:
-    # transforms.v2 resizes uint8 tensors as uint8 (several times faster than v1, which converts
-    # them to float); both draw the same random numbers, so a seed gives the same crops.
-    return transforms_v2 if tensors else transforms
+class TrainCrop:
+    """RandomResizedCrop and a horizontal flip, drawn from the sample's augmentation seed by the crop rule.
+
+    The crop box and the flip are ``crops.crop_and_flip``'s, the rule every decoder follows, so a seed
+    gives the same crop on PIL images (``pil``) as on uint8 tensors (``torchvision``, resized in uint8
+    arithmetic by ``transforms.v2``), and as the nvJPEG and DALI paths cut. The crop is resized to
+    ``size`` squared with antialiased bilinear interpolation.
+
+    Args:
+        size: Side of the output image.
+        scale: Range of the crop's area, as a fraction of the image.
+    """
+
+    #: Datasets pass the sample's seed (``EpochSeededSampler``) as the second argument.
+    takes_seed = True
+
+    def __init__(self, size: int, scale: tuple[float, float]) -> None:
+        self.size = size
+        self.scale = scale
+
+    def __call__(self, img: Any, seed: int | None = None) -> Any:
+        height, width = F.get_size(img)
+        box, flip = crop_and_flip(height, width, seed, self.scale)
+        out = F.resized_crop(img, box.top, box.left, box.height, box.width, [self.size, self.size], antialias=True)
+        return F.horizontal_flip(out) if flip else out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(size={self.size}, scale={self.scale})"
 
 
-def train_transform(crop_size: int, crop_scale: tuple[float, float], tensors: bool) -> Callable[[Any], Any]:
-    """RandomResizedCrop and horizontal flip, on PIL images or (``tensors``) on uint8 tensors."""
-    t = _transforms(tensors)
-    return t.Compose([t.RandomResizedCrop(crop_size, scale=crop_scale), t.RandomHorizontalFlip()])
+def train_transform(crop_size: int, crop_scale: tuple[float, float]) -> TrainCrop:
+    """The training crop and flip (``TrainCrop``), on PIL images or uint8 tensors."""
+    return TrainCrop(crop_size, crop_scale)
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:
     """Resize of the short side, then centre crop; on PIL images or (``tensors``) on uint8 tensors."""
-    t = _transforms(tensors)
+    # transforms.v2 resizes uint8 tensors as uint8, several times faster than v1, which converts them to float.
+    t = transforms_v2 if tensors else transforms
     return t.Compose([t.Resize(resize), t.CenterCrop(crop_size)])
-
-
-class CropBox(NamedTuple):
-    """A region of a source image, in pixels."""
-
-    top: int
-    left: int
-    height: int
-    width: int
-
-
-def random_crop_box(
-    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float] = (3 / 4, 4 / 3)
-) -> CropBox:
-    """The box ``RandomResizedCrop`` would cut from an image of this size, drawn from torch's generator."""
-    shape_only = torch.empty(()).expand(3, height, width)  # get_params reads only the shape
-    top, left, h, w = RandomResizedCrop.get_params(shape_only, list(scale), list(ratio))  # type: ignore[arg-type]
-    return CropBox(int(top), int(left), int(h), int(w))
-
-
-def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
-    """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_long = int(resize * long / short)
-    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
-    top = int(round((new_h - crop) / 2.0))
-    left = int(round((new_w - crop) / 2.0))
-    scale_h, scale_w = height / new_h, width / new_w
-    src_top, src_left = int(round(top * scale_h)), int(round(left * scale_w))
-    src_h = max(1, min(height - src_top, int(round(crop * scale_h))))
-    src_w = max(1, min(width - src_left, int(round(crop * scale_w))))
-    return CropBox(src_top, src_left, src_h, src_w)

@@ -1,8 +1,8 @@
 """The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
 
-A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seed``, drawn
-inside ``seeded_rng``), never on which worker loads it or whether the run restarted; a run resumed
-part-way through an epoch continues with the very same batches (``resume_position``).
+A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seed``, from which
+``lit_imagenet.data.crops`` draws them), never on which worker loads it or whether the run restarted;
+a run resumed part-way through an epoch continues with the very same batches (``resume_position``).
 """
 
 from __future__ import annotations
