@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import platform
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import torch
 
 from lit_imagenet.data.synthetic import make_shapes
 from tests.runs import REPO, BackgroundRun, job_script_flags, run_flags
+
+# The data modules' index files go to a folder of this session's, not to the user's cache; the runs that tests
+# start in subprocesses inherit it.
+os.environ.setdefault("LIT_IMAGENET_CACHE", tempfile.mkdtemp(prefix="lit_imagenet_test_cache_"))
 
 
 def _dali_missing() -> str | None:

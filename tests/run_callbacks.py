@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
 import functools
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +69,38 @@ class RecordCollectives(pl.Callback):
             setattr(dist, name, original)
         Path(self.folder).mkdir(parents=True, exist_ok=True)
         Path(self.folder, f"rank{trainer.global_rank}.txt").write_text("\n".join(self.calls) + "\n")
+
+
+class RecordReads(pl.Callback):
+    """Logs every file under ``root`` that Python opens for reading, in this process and the loader workers it forks.
+
+    Each line of ``folder/reads-PID.txt`` is ``TIME PID PARENT PATH`` (``TIME`` from the monotonic clock, which
+    all processes of a machine share); ``TIME PID PARENT TRAIN RANK`` marks the start of training. Installed when
+    the trainer is made, before any loader reads a file.
+
+    Args:
+        folder: Where to write.
+        root: The folder whose files are logged.
+    """
+
+    def __init__(self, folder: str, root: str) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        root = str(Path(root).resolve())
+        original = builtins.open
+
+        def log(line: str) -> None:
+            with original(self.folder / f"reads-{os.getpid()}.txt", "a") as f:
+                f.write(f"{time.monotonic():.6f} {os.getpid()} {os.getppid()} {line}\n")
+
+        @functools.wraps(original)
+        def opened(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+            if isinstance(file, (str, os.PathLike)) and "r" in mode and os.path.abspath(file).startswith(root):
+                log(os.path.abspath(file))
+            return original(file, mode, *args, **kwargs)
+
+        builtins.open = opened
+        self._log = log
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log(f"TRAIN {trainer.global_rank}")

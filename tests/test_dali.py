@@ -132,7 +132,8 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
     """Sizes from the files' headers (the crop windows' input): JPEG with EXIF, progressive, PNG, grey, CMYK."""
     from PIL import Image
 
-    from lit_imagenet.data.images import image_size, image_sizes
+    from lit_imagenet.data.images import ImageSizes, image_size
+    from lit_imagenet.data.index import SampleTable
 
     rng = np.random.default_rng(0)
     paths = []
@@ -147,10 +148,14 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
         paths.append(str(path))
     expected = [Image.open(p).size[::-1] for p in paths]
     assert [image_size(p) for p in paths] == expected
-    assert image_sizes(paths, threads=3).tolist() == [list(e) for e in expected]
     (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff" + bytes(100))
+    sizes = ImageSizes(SampleTable.from_pairs(tmp_path, [(p, 0) for p in [*paths, str(tmp_path / "bad.jpg")]]))
+    sizes.read_ahead(np.arange(len(paths) + 1)[::-1])  # the thread leaves the bad file to get
+    assert sizes.get(np.array([3, 0, 3])).tolist() == [list(expected[3]), list(expected[0]), list(expected[3])]
+    sizes.stop()
+    assert sizes.get(np.arange(len(paths))).tolist() == [list(e) for e in expected]
     with pytest.raises(DataError, match=f"^Cannot decode image {tmp_path / 'bad.jpg'} .*replace or remove the file"):
-        image_sizes([paths[0], str(tmp_path / "bad.jpg"), paths[1]], threads=2)
+        sizes.get(np.array([0, len(paths), 1]))
 
 
 def test_crop_window_follows_random_resized_crop() -> None:
@@ -207,12 +212,12 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
     reached, release = threading.Event(), threading.Event()
     pipeline = DALILoader._pipeline
 
-    def counted(self, files, labels, seeds, sizes):
+    def counted(self, indices, seeds):
         if threading.current_thread() is not threading.main_thread():
             reached.set()
             assert release.wait(30)
-        builds.append((int(self.sampler.epoch), len(files)))
-        return pipeline(self, files, labels, seeds, sizes)
+        builds.append((int(self.sampler.epoch), len(indices)))
+        return pipeline(self, indices, seeds)
 
     def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
         loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
@@ -271,9 +276,9 @@ def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_p
     builds: list[int] = []
     pipeline = DALILoader._pipeline
 
-    def counted(self, files, labels, seeds, sizes):
-        builds.append(len(files))
-        return pipeline(self, files, labels, seeds, sizes)
+    def counted(self, indices, seeds):
+        builds.append(len(indices))
+        return pipeline(self, indices, seeds)
 
     monkeypatch.setattr(DALILoader, "_pipeline", counted)
     dm = _module(varied_root, batch_size=4)
@@ -458,7 +463,10 @@ def test_auto_picks_dali_on_cuda_else_pil_and_says_why(shapes_root: Path, tmp_pa
     import nvidia.dali
 
     assert choose_decoder(on_cuda=True) == (
-        "dali", f"the run is on CUDA and NVIDIA DALI {nvidia.dali.__version__} is installed"
+        "dali", f"the run is on one CUDA device and NVIDIA DALI {nvidia.dali.__version__} is installed"
+    )  # fmt: skip
+    assert choose_decoder(on_cuda=True, processes=2) == (
+        "nvjpeg", "the run has 2 CUDA processes, where nvjpeg measured faster than dali"
     )  # fmt: skip
     assert choose_decoder(on_cuda=False) == ("pil", "the run is not on a CUDA device")
     dm = _module(shapes_root, decoder="auto")
@@ -471,6 +479,13 @@ def test_auto_picks_dali_on_cuda_else_pil_and_says_why(shapes_root: Path, tmp_pa
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decoder:")]
     assert lines == ["Decoder: pil (--data.decoder auto: the run is not on a CUDA device)."]
     assert type(trainer.train_dataloader).__name__ == "PrefetchLoader"
+    caplog.clear()
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_steps=1, limit_val_batches=1,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    with caplog.at_level("INFO"):
+        trainer.fit(ImageClassifier("resnet18", num_classes=3), _module(shapes_root, decoder="dali"))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Decoder:")]
+    assert lines == ["Decoder: dali (--data.decoder dali)."]  # said once, for the loaders of both splits
 
 
 def test_importing_the_package_does_not_import_dali() -> None:

@@ -291,6 +291,10 @@ def test_every_decoder_cuts_the_crop_and_flip_of_the_crop_rule(shapes_root: Path
             assert np.array_equal(np.asarray(got), np.asarray(want)), (decoder, path)
     nvjpeg = module("nvjpeg").train_dataloader().dataset
     assert [(nvjpeg[item][0].box, nvjpeg[item][0].flip) for item in order] == rule
-    anchor, shape, mirror = CropSource([seed for _, seed in order], sizes, 8, (0.2, 0.9))(0)
+    picked = np.array([i for i, _ in order])
+    where = {int(i): k for k, i in enumerate(picked)}
+    source = CropSource(picked, np.array([seed for _, seed in order], dtype=np.uint64),
+                        lambda rows: sizes[[where[int(i)] for i in rows]], 8, (0.2, 0.9))  # fmt: skip
+    anchor, shape, mirror = source(0)
     dali = [((int(y), int(x), int(h), int(w)), bool(m)) for (x, y), (w, h), m in zip(anchor, shape, mirror)]
     assert dali == [(tuple(box), flip) for box, flip in rule]

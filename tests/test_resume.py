@@ -84,7 +84,7 @@ def test_sampler_resumes_mid_epoch_with_the_same_samples_and_seeds() -> None:
     full.set_epoch(4)
     whole = list(full)
     resumed = EpochSeededSampler(data, seed=3, num_replicas=2, rank=1)
-    resumed.resume_at(4, 10)
+    resumed.resume_at(4, 2 * 10)  # each of the 2 processes trained 10 samples of epoch 4
     assert list(resumed) == whole[10:]
     assert list(resumed) == whole  # only the first pass skips
     other = EpochSeededSampler(data, seed=3, num_replicas=2, rank=1)

@@ -93,7 +93,7 @@ def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float
     """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
 
     Args:
-        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
         draws: ``(N, 23)`` rows of ``crop_draws``.
         ratio: The aspect ratio range the draws were made for.
     """
@@ -142,7 +142,7 @@ def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray
     (half to even), as torchvision computes them, so the batches match the other decoders' to a grey level.
 
     Args:
-        sizes: ``(N, 2)`` heights and widths (``image_sizes``).
+        sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
         resize: The short side after resizing.
         crop: The side of the centre crop.
 

@@ -27,6 +27,7 @@ from lit_imagenet.data.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, dal
 from lit_imagenet.data.datasets import ImageFolderDataset, collate_uint8
 from lit_imagenet.data.folders import scan_predict, scan_root
 from lit_imagenet.data.images import load_rgb, load_rgb_tensor, verify_image_files
+from lit_imagenet.data.index import SampleTable, default_index_dir
 from lit_imagenet.data.nvjpeg import EncodedBatch, EncodedImageFolderDataset, collate_encoded
 from lit_imagenet.data.prefetch import PrefetchLoader
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
@@ -59,15 +60,21 @@ def decoder_dataset(
     return ImageFolderDataset(samples, transform, loader), partial(collate_uint8, memory_format=memory_format)
 
 
-def choose_decoder(on_cuda: bool) -> tuple[str, str]:
-    """The decoder ``auto`` stands for, and why: DALI on CUDA when it imports, else nvJPEG on CUDA, else PIL."""
+def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
+    """The decoder ``auto`` stands for, and why.
+
+    On one CUDA process, DALI when it imports, else nvJPEG; on several, nvJPEG, which measured faster
+    than DALI there (``docs/benchmarks.md``); without CUDA, PIL.
+    """
     if not on_cuda:
         return "pil", "the run is not on a CUDA device"
+    if processes > 1:
+        return "nvjpeg", f"the run has {processes} CUDA processes, where nvjpeg measured faster than dali"
     try:
         dali = import_dali()
     except ConfigError:
         return "nvjpeg", f"the run is on CUDA and NVIDIA DALI is not installed ({dali_install_command()} adds it)"
-    return "dali", f"the run is on CUDA and NVIDIA DALI {dali.__version__} is installed"
+    return "dali", f"the run is on one CUDA device and NVIDIA DALI {dali.__version__} is installed"
 
 
 class ImageFolderDataModule(pl.LightningDataModule):
@@ -93,8 +100,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             (``lit_imagenet.data.nvjpeg``), for when the CPU cores cannot decode fast enough; ``dali``
             reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.data.dali``;
             on CUDA the GPU and its hardware JPEG decoder do the work; ``workers`` is then its number of
-            CPU threads); ``auto`` picks ``dali`` on CUDA when DALI is installed, else ``nvjpeg`` on CUDA,
-            else ``pil``, and logs its choice.
+            CPU threads); ``auto`` picks ``dali`` on one CUDA device when DALI is installed, else ``nvjpeg``
+            on CUDA (on several GPUs too), else ``pil``. The start of a run logs the decoder, and why.
         gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
             workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
             and the CPU cores have time to spare.
@@ -106,6 +113,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
             GPU's cores (DALI's ``hw_decoder_load``).
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
+        index: Keep each split's file list in an index file, which later runs, every process and
+            every restart read instead of walking the folders again; a split whose folders changed
+            (a file or class folder added, removed or renamed) is scanned again. A file rewritten in
+            place is not seen by it, and is named when it is read, as any bad file is.
+        index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
+            ``~/.cache/lit_imagenet/index``); the data folder itself may be read-only.
+        persistent_eval_workers: Keep the loader workers of validation, testing and prediction
+            between passes. ``False`` starts them at each pass, as the reference did: they then hold
+            no host memory while training runs, and each validation waits for them to start.
     """
 
     def __init__(
@@ -125,6 +141,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         gpu_share: float = 1.0,
         gpu_decode_ahead: int = 2,
         hw_decoder_load: float = HW_DECODER_LOAD,
+        index: bool = True,
+        index_dir: str | None = None,
+        persistent_eval_workers: bool = True,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -159,19 +178,21 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if not 0.0 <= hw_decoder_load <= 1.0:
             raise ValueError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
         self.decoder = decoder
-        self._auto_choice: str | None = None
+        self._decoder_logged: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         self.hw_decoder_load = float(hw_decoder_load)
+        self.persistent_eval_workers = persistent_eval_workers
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
         self.std = IMAGENET_STD
 
         self.classes: list[str] = []
-        self._splits: dict[str, list[tuple[str, int]]] = {}
+        self._splits: dict[str, SampleTable] = {}
         if self.root is not None:
-            self.classes, self._splits = scan_root(self.root)
+            where = (Path(index_dir) if index_dir is not None else default_index_dir()) if index else None
+            self.classes, self._splits = scan_root(self.root, where)
         if self.predict_root is not None:
             self._splits["predict"] = scan_predict(self.predict_root)
         if verify_images:
@@ -187,8 +208,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         """Class folder name to label index, as the model's outputs are ordered."""
         return {name: i for i, name in enumerate(self.classes)}
 
-    def samples(self, split: str) -> list[tuple[str, int]]:
-        """``(path, label)`` pairs of a split (``train``, ``val``, ``test`` or ``predict``)."""
+    def samples(self, split: str) -> SampleTable:
+        """``(path, label)`` pairs of a split (``train``, ``val``, ``test`` or ``predict``), as numpy arrays."""
         if split not in self._splits:
             raise DataError(f"There is no {split!r} split; the data module has {sorted(self._splits)}.")
         return self._splits[split]
@@ -207,13 +228,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )
 
     def decoder_in_use(self) -> str:
-        """``decoder``, or for ``auto`` the decoder it stands for on this run's device (logged when it changes)."""
-        if self.decoder != "auto":
-            return self.decoder
-        choice, reason = choose_decoder(self._on_cuda())
-        if choice != self._auto_choice:
-            rank_zero_info(f"Decoder: {choice} (--data.decoder auto: {reason}).")
-            self._auto_choice = choice
+        """``decoder``, or for ``auto`` the decoder it stands for on this run's devices; logged when it changes."""
+        if self.decoder == "auto":
+            processes = self.trainer.world_size if self.trainer is not None else 1
+            choice, reason = choose_decoder(self._on_cuda(), processes)
+            line = f"Decoder: {choice} (--data.decoder auto: {reason})."
+        else:
+            choice, line = self.decoder, f"Decoder: {self.decoder} (--data.decoder {self.decoder})."
+        if choice != self._decoder_logged:
+            rank_zero_info(line)
+            self._decoder_logged = choice
         return choice
 
     def _memory_format(self) -> torch.memory_format:
@@ -243,7 +267,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             num_workers=self.workers,
             collate_fn=collate,
             pin_memory=self.pin_memory and self._on_cuda(),
-            persistent_workers=self.workers > 0,
+            persistent_workers=self.workers > 0 and (train or self.persistent_eval_workers),
             drop_last=False,
             device=self.prefetch_device,
             mean=self.mean,

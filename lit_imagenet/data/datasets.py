@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lit_imagenet.data.images import load_rgb
+from lit_imagenet.data.index import SampleTable
 from lit_imagenet.data.samplers import seeded_rng
 
 
@@ -35,7 +36,7 @@ class ImageFolderDataset(Dataset):
         transform: Callable[[Any], Any] | None = None,
         loader: Callable[[str], Any] = load_rgb,
     ):
-        self.samples = list(samples)
+        self.samples = SampleTable.of(samples)  # arrays: forked workers share them without copying
         self.transform = transform
         self.loader = loader
 

@@ -3,15 +3,21 @@
 ``root`` holds ``train/`` and ``val/`` (and optionally ``test/``), each with one folder of images
 per class. The folders are scanned when the data module is built, so a missing split, an empty
 class folder, an empty file or one that is not an image, or train and val splits with different
-classes stop the run before any training starts, with a ``DataError`` naming the thing.
+classes stop the run before any training starts, with a ``DataError`` naming the thing. A scan is
+kept in an index file (``lit_imagenet.data.index``) that later runs read instead of walking the
+folders again, as long as no folder changed.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
+from lit_imagenet.data.index import SampleTable, Scan, cached_scan
 from lit_imagenet.errors import DataError, undecodable_image
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -21,50 +27,73 @@ def _is_hidden(name: str) -> bool:
     return name.startswith(".")
 
 
+def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
+    """Appends the images under ``folder`` to ``names`` (relative, encoded), its files before its sub-folders,
+    each sorted, and the modification time of each folder read to ``folders``; hidden entries are not data."""
+    folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
+    files, subfolders = [], []
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if _is_hidden(entry.name):
+                continue
+            if entry.is_dir():  # follows links, as the other decoders' readers do
+                subfolders.append(entry.name)
+            else:
+                files.append(entry)
+    files.sort(key=lambda e: e.name)
+    for entry in files:
+        path = os.path.join(folder, entry.name)
+        if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
+            raise DataError(
+                f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
+                "move it out of the data folder."
+            )
+        try:
+            size = entry.stat().st_size
+        except OSError as err:  # a broken link
+            raise undecodable_image(path, f"{type(err).__name__}: {err.strerror}") from None
+        if size == 0:
+            raise undecodable_image(path, "an empty file: 0 bytes")
+        names.append(os.fsencode(os.path.join(relative, entry.name)))
+    for name in sorted(subfolders):
+        _walk(os.path.join(folder, name), os.path.join(relative, name), names, folders)
+
+
 def image_files(folder: Path) -> list[Path]:
     """Every image under ``folder``, sorted; an empty file or a non-image is an error (hidden files are not data)."""
-    found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not _is_hidden(d))
-        for name in sorted(filenames):
-            if _is_hidden(name):
-                continue
-            path = Path(dirpath) / name
-            if path.suffix.lower() not in IMAGE_EXTENSIONS:
-                raise DataError(
-                    f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
-                    "move it out of the data folder."
-                )
-            try:
-                size = path.stat().st_size
-            except OSError as err:  # a broken link
-                raise undecodable_image(path, f"{type(err).__name__}: {err.strerror}") from None
-            if size == 0:
-                raise undecodable_image(path, "an empty file: 0 bytes")
-            found.append(path)
-    return found
+    names: list[bytes] = []
+    _walk(str(folder), "", names, {})
+    return [folder / os.fsdecode(n) for n in names]
 
 
-def scan_split(split_dir: str | Path) -> tuple[list[str], list[tuple[str, int]]]:
-    """The class names of an ImageFolder split and its ``(path, class index)`` samples.
+def scan_split(split_dir: str | Path) -> Scan:
+    """The class names of an ImageFolder split, its samples and the times of its folders.
 
     Raises:
         DataError: The folder is missing, has no class folders, or a class folder holds no image,
             a file that is not an image, or an empty file.
     """
     split_dir = Path(split_dir)
+    started = time.time_ns()
     if not split_dir.is_dir():
         raise DataError(f"Data folder {split_dir} does not exist; create it with one sub-folder of images per class.")
+    folders = {".": os.stat(split_dir).st_mtime_ns}
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
-    samples: list[tuple[str, int]] = []
-    for index, name in enumerate(classes):
-        files = image_files(split_dir / name)
-        if not files:
+    names: list[bytes] = []
+    counts = []
+    for name in classes:
+        before = len(names)
+        _walk(str(split_dir / name), name, names, folders)
+        if len(names) == before:
             raise DataError(f"Class folder {split_dir / name} holds no images; add images or remove the folder.")
-        samples.extend((str(p), index) for p in files)
-    return classes, samples
+        counts.append(len(names) - before)
+    offsets = np.zeros(len(names) + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)), out=offsets[1:])
+    blob = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
+    labels = np.repeat(np.arange(len(classes), dtype=np.int32), counts)
+    return Scan(classes, SampleTable(split_dir, blob, offsets, labels), folders, started)
 
 
 def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, other: Sequence[str]) -> None:
@@ -84,26 +113,32 @@ def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, o
     )
 
 
-def scan_root(root: Path) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+def scan_root(root: Path, index_dir: Path | None = None) -> tuple[list[str], dict[str, SampleTable]]:
     """The classes of ``root/train`` and the samples of each split: ``train``, ``val`` and ``test`` when present.
+
+    Args:
+        root: The data folder.
+        index_dir: Where the splits' index files are kept (``lit_imagenet.data.index``); ``None``: none,
+            every split is scanned.
 
     Raises:
         DataError: ``root`` or a split is missing or malformed, or the splits' class folders differ.
     """
     if not root.is_dir():
         raise DataError(f"Data root {root} does not exist; point --data.root at a folder with train/ and val/.")
-    splits: dict[str, list[tuple[str, int]]] = {}
-    classes, splits["train"] = scan_split(root / "train")
+    splits: dict[str, SampleTable] = {}
+    train = cached_scan(root / "train", index_dir, scan_split)
+    splits["train"] = train.samples
     for split in ("val", "test"):
         if split == "test" and not (root / split).is_dir():
             continue
-        other, samples = scan_split(root / split)
-        check_same_classes(root / "train", classes, root / split, other)
-        splits[split] = samples
-    return classes, splits
+        other = cached_scan(root / split, index_dir, scan_split)
+        check_same_classes(root / "train", train.classes, root / split, other.classes)
+        splits[split] = other.samples
+    return train.classes, splits
 
 
-def scan_predict(folder: Path) -> list[tuple[str, int]]:
+def scan_predict(folder: Path) -> SampleTable:
     """The images under ``folder`` (searched recursively), each with its position as its label, for prediction.
 
     Raises:
@@ -114,4 +149,4 @@ def scan_predict(folder: Path) -> list[tuple[str, int]]:
     files = image_files(folder)
     if not files:
         raise DataError(f"Prediction folder {folder} holds no images.")
-    return [(str(p), i) for i, p in enumerate(files)]
+    return SampleTable.from_pairs(folder, [(str(p), i) for i, p in enumerate(files)])

@@ -9,6 +9,7 @@ hand over an ``EncodedImage`` (``lit_imagenet.data.nvjpeg``). Every failure rais
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ from PIL import Image
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, read_file
 
+from lit_imagenet.data.index import SampleTable
 from lit_imagenet.errors import DataError, undecodable_image
 
 JPEG_MAGIC = b"\xff\xd8\xff"
@@ -110,8 +112,9 @@ def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
 
 # Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# Most JPEGs' frame header comes within their first kilobytes (after EXIF, up to 64 KiB, or a colour profile).
-_HEADER_BYTES = 1 << 16
+# Most JPEGs' frame header comes within their first kilobytes; after EXIF (up to 64 KiB) or a colour
+# profile it comes later, so a first short read is followed by a longer one when it holds no frame header.
+_FIRST_READ, _HEADER_BYTES = 1 << 12, 1 << 16
 
 
 def _jpeg_frame_size(head: bytes) -> tuple[int, int] | None:
@@ -153,9 +156,13 @@ def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
     first bytes; other formats, and JPEGs whose frame header comes later, are opened with PIL, which reads no
     more than the header either."""
     try:
-        head = stream.read(_HEADER_BYTES)
-        if head[:3] == JPEG_MAGIC and (size := _jpeg_frame_size(head)) is not None:
-            return size
+        head = stream.read(_FIRST_READ)
+        if head[:3] == JPEG_MAGIC:
+            if (size := _jpeg_frame_size(head)) is None and len(head) == _FIRST_READ:
+                head += stream.read(_HEADER_BYTES - _FIRST_READ)
+                size = _jpeg_frame_size(head)
+            if size is not None:
+                return size
         stream.seek(0)
         with Image.open(stream) as img:
             width, height = img.size
@@ -164,25 +171,80 @@ def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
     return height, width
 
 
-def image_sizes(paths: Sequence[str], threads: int = 8) -> np.ndarray:
-    """``image_size`` of many files, read by ``threads`` threads: an int32 ``(N, 2)`` array of heights and widths.
+class ImageSizes:
+    """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
 
-    Raises:
-        DataError: A file's header cannot be read (the first such file in ``paths``).
+    ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a
+    background thread read the headers of an order of samples a little ahead of the ``get`` calls
+    that will need them (``lead`` samples beyond those asked for so far), so that nothing is read for
+    the whole table before its first batch, and the reading is spread over the pass instead of taking
+    the interpreter from the training thread all at once. Each file is read once, by one of them. A
+    header that cannot be read is named by ``get``, where it is needed; the thread leaves it.
+
+    Args:
+        samples: ``(path, label)`` samples (a ``SampleTable``).
     """
-    out = np.empty((len(paths), 2), dtype=np.int32)
-    if not paths:
-        return out
-    chunk = max(1, min(1024, len(paths) // max(1, threads)))
 
-    def read(start: int) -> None:
-        for k in range(start, min(start + chunk, len(paths))):
-            out[k] = image_size(paths[k])
+    def __init__(self, samples: SampleTable) -> None:
+        self.samples = samples
+        self.sizes = np.zeros((len(samples), 2), dtype=np.int32)  # 0: not read yet
+        self._ahead: tuple[threading.Thread, threading.Event] | None = None
+        self._reading = threading.Lock()  # held while headers are read: each is read once, by one thread
+        self._asked = threading.Condition()  # guards _wanted, the samples asked for since read_ahead
+        self._wanted = 0
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        for done in pool.map(read, range(0, len(paths), chunk)):
-            del done  # raises the first error, in file order
-    return out
+    def get(self, indices: np.ndarray) -> np.ndarray:
+        """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
+
+        Raises:
+            DataError: A header cannot be read; the message names the file.
+        """
+        indices = np.asarray(indices, dtype=np.int64)
+        with self._asked:
+            self._wanted += len(indices)
+            self._asked.notify()
+        if (self.sizes[indices, 0] == 0).any():
+            with self._reading:
+                for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
+                    self.sizes[i] = image_size(self.samples.path(i))
+        return self.sizes[indices]
+
+    def read_ahead(self, order: np.ndarray, lead: int = 4096) -> None:
+        """Starts reading the headers of samples ``order`` in a thread, in that order, up to ``lead`` samples beyond
+        those ``get`` has been asked for since; the last such thread stops."""
+        self.stop()
+        with self._asked:
+            self._wanted = 0
+        done = threading.Event()
+        thread = threading.Thread(target=self._read, args=(np.asarray(order, dtype=np.int64), lead, done),
+                                  daemon=True, name="image-sizes")  # fmt: skip
+        self._ahead = (thread, done)
+        thread.start()
+
+    def stop(self) -> None:
+        """Stops the reading thread, if one is running."""
+        if self._ahead is not None:
+            thread, done = self._ahead
+            done.set()
+            with self._asked:
+                self._asked.notify()
+            thread.join()
+            self._ahead = None
+
+    def _read(self, order: np.ndarray, lead: int, done: threading.Event) -> None:
+        for start in range(0, len(order), 32):  # small chunks: get waits for one at most
+            with self._asked:
+                while start >= self._wanted + lead and not done.is_set():
+                    self._asked.wait()
+            if done.is_set():
+                return
+            chunk = order[start : start + 32]
+            with self._reading:
+                for i in chunk[self.sizes[chunk, 0] == 0].tolist():
+                    try:
+                        self.sizes[i] = image_size(self.samples.path(i))
+                    except DataError:
+                        pass  # get names it, when the batch that holds it is made
 
 
 def gpu_decodable(data: Tensor) -> bool:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
@@ -38,14 +39,41 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
     return (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + index) & 0x7FFFFFFFFFFFFFFF
 
 
+def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
+    """``sample_seed`` of many samples at once, as uint64: the same numbers, computed with numpy."""
+    base = (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003) & 0x7FFFFFFFFFFFFFFF
+    return (np.uint64(base) + np.asarray(indices, dtype=np.uint64)) & np.uint64(0x7FFFFFFFFFFFFFFF)
+
+
+def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0) -> np.ndarray:
+    """The sample indices of ``rank`` in ``epoch``, after the first ``done`` samples of the epoch were trained on.
+
+    The epoch's order is one permutation of the ``size`` samples, fixed by ``seed + epoch``. The
+    samples not yet trained on (all but its first ``done``) are padded with the permutation's first
+    ones to a multiple of ``replicas``, and ``rank`` takes every ``replicas``-th of them. With
+    ``done`` 0 this is ``DistributedSampler``'s order. ``done`` counts samples over all processes:
+    ``replicas`` processes that each trained ``k`` samples of the epoch trained its first
+    ``replicas * k``, whatever ``replicas`` the rest is shared out among.
+    """
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    perm = torch.randperm(size, generator=generator).numpy()
+    rest = perm[min(done, size) :]
+    pad = -len(rest) % replicas
+    if pad:
+        rest = np.concatenate([rest, np.resize(perm, pad)])  # np.resize repeats perm when pad > size
+    return rest[rank::replicas]
+
+
 class EpochSeededSampler(DistributedSampler):
-    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch.
+    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
 
     It yields ``(index, augmentation seed)`` pairs, so that a sample's crop and flip depend only on
     the seed, the epoch and the sample, not on which worker loads it or whether the run restarted.
     Like ``DistributedSampler`` it shards (and pads) across ``num_replicas`` processes; with one
     process it is a seeded shuffle. ``resume_at`` makes the next pass over ``epoch`` start after the
     samples already trained on, so a run killed mid-epoch continues with the very same batches.
+    ``order`` gives the pass as numpy arrays, with no Python object per sample.
 
     Args:
         dataset: The training dataset.
@@ -59,22 +87,33 @@ class EpochSeededSampler(DistributedSampler):
         self._resume: tuple[int, int] | None = None
 
     def resume_at(self, epoch: int, samples_done: int) -> None:
-        """Sets the epoch, and skips its first ``samples_done`` samples in the next pass only."""
+        """Sets the epoch, and skips its first ``samples_done`` samples, over all processes, in the next pass only."""
         self.set_epoch(epoch)
         self._resume = (epoch, samples_done)
 
     def skips(self) -> int:
-        """The samples of the current epoch that the next pass skips (``resume_at``), 0 when it reads them all."""
+        """The samples of the current epoch, over all processes, that the next pass skips (``resume_at``)."""
         return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        indices = list(super().__iter__())
-        start = 0
-        if self._resume is not None and self._resume[0] == self.epoch:
-            start = self._resume[1]
+    def order(self) -> tuple[np.ndarray, np.ndarray]:
+        """This process's sample indices of the next pass and their augmentation seeds (``sample_seeds``)."""
+        size = len(self.dataset)  # type: ignore[arg-type]
+        indices = epoch_order(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips())
+        return indices, sample_seeds(self.seed, self.epoch, indices)
+
+    def next_pass(self) -> tuple[np.ndarray, np.ndarray]:
+        """``order``, as the next pass reads it: a resumed epoch's skip is used up."""
+        indices, seeds = self.order()
         self._resume = None
-        epoch, seed = self.epoch, self.seed
-        return iter([(i, sample_seed(seed, epoch, i)) for i in indices[start:]])
+        return indices, seeds
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        return _pairs(*self.next_pass())
+
+
+def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterator[tuple[int, int]]:
+    for start in range(0, len(indices), chunk):
+        yield from zip(indices[start : start + chunk].tolist(), seeds[start : start + chunk].tolist())
 
 
 def moves_by_epoch(sampler: object) -> bool:
@@ -134,7 +173,7 @@ def split_sampler(
         sampler = EpochSeededSampler(dataset, seed, world, rank)
         if trainer is not None:
             epoch, done = resume_position(trainer, math.ceil(len(sampler) / batch_size))
-            sampler.resume_at(epoch, done * batch_size)
+            sampler.resume_at(epoch, done * batch_size * world)  # every process trained its first batches
         return sampler
     if world > 1:
         return UnpaddedDistributedSampler(dataset, world, rank)

@@ -32,10 +32,11 @@ from torch import Tensor
 from torch.utils.data import Sampler
 
 from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline
-from lit_imagenet.data.images import image_sizes, load_rgb
+from lit_imagenet.data.images import ImageSizes, load_rgb
+from lit_imagenet.data.index import SampleTable
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from lit_imagenet.data.samplers import EpochSeededSampler, moves_by_epoch
-from lit_imagenet.errors import ConfigError, DataError
+from lit_imagenet.errors import ConfigError, DataError, undecodable_image
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -145,7 +146,7 @@ class DALILoader:
         if device is not None and device.type != "cuda":
             device = None
         import_dali()
-        self.samples = list(samples)
+        self.samples = SampleTable.of(samples)
         self.batch_size = batch_size
         self.train = train
         self.crop_size = crop_size
@@ -165,7 +166,7 @@ class DALILoader:
         self.pass_samples = pass_samples
         self.epochs = epochs if epochs is not None and epochs > 0 else None
         self._kept: _Pass | None = None  # a pipeline ready for the next pass (see ``_batches``)
-        self._sizes = np.zeros((len(self.samples), 2), dtype=np.int32)  # 0: not read yet
+        self._sizes = ImageSizes(self.samples)  # read from the headers as the batches need them
         self._active: Generator[list[Tensor], None, None] | None = None
         self._builder: ThreadPoolExecutor | None = None
         self._building: Future[_Pass | None] | None = None  # the next training pipeline, being built
@@ -184,14 +185,17 @@ class DALILoader:
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])  # type: ignore[union-attr]
 
-    def _eval_order(self) -> list[int]:
+    def _eval_order(self) -> np.ndarray:
         """The sample indices of an evaluation pass."""
-        indices = [int(i) for i in self.sampler] if self.sampler is not None else list(range(len(self.samples)))
+        if self.sampler is None:
+            indices = np.arange(len(self.samples), dtype=np.int64)
+        else:
+            indices = np.fromiter(iter(self.sampler), dtype=np.int64)
         if self.max_batches is not None:
             indices = indices[: self.max_batches * self.batch_size]
         return indices
 
-    def _training_epochs(self, sampler: Sampler | None) -> list[tuple[int, list[int], list[int]]]:
+    def _training_epochs(self, sampler: Sampler | None) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """``(epoch, sample indices, augmentation seeds)`` of the epochs a training pipeline reads, in order.
 
         ``sampler``'s current epoch (part of it when resumed), then, for a sampler whose order moves by
@@ -199,40 +203,31 @@ class DALILoader:
         at most), drawn from copies of it.
         """
         if sampler is None:
-            return [(0, list(range(len(self.samples))), [0] * len(self.samples))]
-        items = list(sampler)
+            count = len(self.samples)
+            return [(0, np.arange(count, dtype=np.int64), np.zeros(count, dtype=np.uint64))]
         epoch = int(getattr(sampler, "epoch", 0))
-        epochs = [(epoch, [int(i) for i, _ in items], [int(s) for _, s in items])]
+        epochs = [(epoch, *_next_pass(sampler))]
         if moves_by_epoch(sampler):
             full = max(1, len(sampler))  # type: ignore[arg-type]
             end = epoch + min(PASS_EPOCHS, max(1, self.pass_samples // full))
             for later in range(epoch + 1, end if self.epochs is None else min(end, self.epochs)):
                 ahead = copy.copy(sampler)
                 ahead.set_epoch(later)  # type: ignore[attr-defined]
-                items = list(ahead)
-                epochs.append((later, [int(i) for i, _ in items], [int(s) for _, s in items]))
+                epochs.append((later, *_next_pass(ahead)))
         return epochs
 
-    def _pipeline(self, files: list[str], labels: list[int], seeds: list[int], sizes: np.ndarray) -> Any:
+    def _pipeline(self, indices: np.ndarray, seeds: np.ndarray | None) -> Any:
         source: CropSource | GeometrySource
-        if self.train:
-            source = CropSource(seeds, sizes, self.batch_size, self.crop_scale)
+        if seeds is not None:
+            source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
         else:
-            source = GeometrySource(sizes, self.batch_size, self.val_resize, self.crop_size)
+            source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
         return build_pipeline(
-            files, labels, source, batch_size=self.batch_size, threads=self.threads,
-            device_id=None if self.device is None else self.device.index, crop_size=self.crop_size,
-            dtype=self.dtype, channels_last=self.channels_last, mean=self.mean, std=self.std,
-            hw_decoder_load=self.hw_decoder_load,
+            self.samples.paths(indices), self.samples.labels[indices].tolist(), source, batch_size=self.batch_size,
+            threads=self.threads, device_id=None if self.device is None else self.device.index,
+            crop_size=self.crop_size, dtype=self.dtype, channels_last=self.channels_last, mean=self.mean,
+            std=self.std, hw_decoder_load=self.hw_decoder_load,
         )  # fmt: skip
-
-    def _image_sizes(self, indices: list[int]) -> np.ndarray:
-        """The ``(height, width)`` of these samples' images, from their headers, each file read once per loader."""
-        where = np.asarray(indices, dtype=np.int64)
-        missing = np.unique(where[self._sizes[where, 0] == 0])
-        if len(missing):
-            self._sizes[missing] = image_sizes([self.samples[i][0] for i in missing], self.threads)
-        return self._sizes[where]
 
     def _start(self, sampler: Sampler | None = None) -> _Pass | None:
         """Builds the pipeline of a pass in the sampler's current order; DALI prepares its first batch meanwhile.
@@ -242,42 +237,46 @@ class DALILoader:
 
         A training pipeline reads the epochs of ``_training_epochs`` one after the other, each padded to
         whole batches with its last sample (as DALI's reader pads a last batch); the padding is cut from
-        each epoch's last batch.
+        each epoch's last batch. The images' sizes, which the crops need, are read from their headers as
+        the batches need them, and ahead of them in a thread, so nothing is read for the whole pass first.
         """
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
         sampler = self.sampler if sampler is None else sampler
+        seeds: np.ndarray | None = None
         if self.train:
             epochs = self._training_epochs(sampler)
-            indices: list[int] = []
-            seeds: list[int] = []
-            for _, order, drawn in epochs:
-                short = -len(order) % self.batch_size
-                indices += order + order[-1:] * short
-                seeds += drawn + drawn[-1:] * short
+            parts = [(order, drawn, -len(order) % self.batch_size) for _, order, drawn in epochs if len(order)]
+            indices = np.concatenate([np.concatenate([o, np.repeat(o[-1:], short)]) for o, _, short in parts] or
+                                     [np.zeros(0, dtype=np.int64)])  # fmt: skip
+            seeds = np.concatenate([np.concatenate([d, np.repeat(d[-1:], short)]) for _, d, short in parts] or
+                                   [np.zeros(0, dtype=np.uint64)])  # fmt: skip
             spans = [(epoch, len(order)) for epoch, order, _ in epochs]
         else:
-            indices, seeds = self._eval_order(), []
+            indices = self._eval_order()
             spans = [(0, len(indices))]
-        if not indices:  # a shard with no samples, or an epoch resumed after its last batch
+        if len(indices) == 0:  # a shard with no samples, or an epoch resumed after its last batch
             return None
-        files = [self.samples[i][0] for i in indices]
-        labels = [int(self.samples[i][1]) for i in indices]
-        sizes = self._image_sizes(indices)
+        # The first batches' sizes are read as DALI prepares them; the thread reads on from there.
+        self._sizes.read_ahead(indices[(1 + _BATCHES_AHEAD) * self.batch_size :])
         try:
-            pipe = self._pipeline(files, labels, seeds, sizes)
+            pipe = self._pipeline(indices, seeds)
             source = DALIGenericIterator(
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
         except RuntimeError as err:
-            raise _named_error(err, files, 0, self.batch_size, self.threads) from None
-        return _Pass(files, source, indices, spans, getattr(sampler, "seed", None))
+            raise _named_error(err, self._window(indices, 0), self.threads) from None
+        return _Pass(source, indices, spans, getattr(sampler, "seed", None))
+
+    def _window(self, indices: np.ndarray, batch: int) -> list[str]:
+        """The files of batch ``batch`` of a pass and of the batches DALI may have read beyond it."""
+        return self.samples.paths(indices[batch * self.batch_size : (batch + 1 + _BATCHES_AHEAD) * self.batch_size])
 
     def _continues(self, kept: _Pass) -> bool:
         """Whether a kept pipeline's next batches are those the sampler asks for now."""
         if not self.train:
-            return kept.indices == self._eval_order()
+            return np.array_equal(kept.indices, self._eval_order())
         epoch, _ = kept.spans[kept.span]
         return (
             epoch == getattr(self.sampler, "epoch", None)
@@ -356,7 +355,7 @@ class DALILoader:
                     self._epoch_read(current, early)
                 yield [images, labels]
         except RuntimeError as err:
-            raise _named_error(err, current.files, current.read, self.batch_size, self.threads) from None
+            raise _named_error(err, self._window(current.indices, current.read), self.threads) from None
         finally:
             if current is not self._kept:
                 current.source = None
@@ -377,16 +376,13 @@ class DALILoader:
 
 
 class _Pass:
-    """A pipeline (behind DALI's iterator), the files it reads in order, and where it is in them.
+    """A pipeline (behind DALI's iterator), the samples it reads in order, and where it is in them.
 
     ``spans`` are the ``(epoch, samples)`` of the epochs it reads (one span for evaluation), ``span``
     the one it reads next, ``read`` the batches handed over so far, ``seed`` the sampler's seed.
     """
 
-    def __init__(
-        self, files: list[str], source: Any, indices: list[int], spans: list[tuple[int, int]], seed: int | None
-    ) -> None:
-        self.files = files
+    def __init__(self, source: Any, indices: np.ndarray, spans: list[tuple[int, int]], seed: int | None) -> None:
         self.source = source
         self.indices = indices
         self.spans = spans
@@ -395,15 +391,22 @@ class _Pass:
         self.seed = seed
 
 
-def _named_error(err: RuntimeError, files: list[str], batch: int, batch_size: int, threads: int) -> Exception:
-    """A ``DataError`` naming the file that DALI failed on, or ``err`` when no file is to blame.
+def _next_pass(sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
+    """The sample indices and augmentation seeds of ``sampler``'s next pass, as its iterator gives them."""
+    if isinstance(sampler, EpochSeededSampler):
+        return sampler.next_pass()
+    items = list(sampler)
+    return np.array([i for i, _ in items], dtype=np.int64), np.array([s for _, s in items], dtype=np.uint64)
+
+
+def _named_error(err: RuntimeError, window: list[str], threads: int) -> Exception:
+    """A ``DataError`` naming the file of ``window`` that DALI failed on, or ``err`` when no file is to blame.
 
     DALI reports a decoding error without the file's name, for a batch that may be up to a few ahead
     of the one asked for (it prepares batches in advance): the files of those batches are decoded
     once more with PIL, and the first that fails is named with PIL's reason. A file that PIL reads
     but DALI does not is named when DALI's message names it.
     """
-    window = files[batch * batch_size : (batch + 1 + _BATCHES_AHEAD) * batch_size]
 
     def check(path: str) -> DataError | None:
         try:
@@ -420,6 +423,5 @@ def _named_error(err: RuntimeError, files: list[str], batch: int, batch_size: in
     for path in window:
         if path in message:
             lines = [line.strip() for line in message.splitlines() if path in line]
-            reason = re.sub(r"\s+", " ", lines[0]) if lines else "DALI cannot decode it"
-            return DataError(f"Cannot decode image {path} ({reason}); replace or remove the file.")
+            return undecodable_image(path, re.sub(r"\s+", " ", lines[0]) if lines else "DALI cannot decode it")
     return err

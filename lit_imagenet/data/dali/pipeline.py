@@ -11,7 +11,7 @@ external source, so that a resumed epoch cuts the same crops again.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,17 +21,29 @@ from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, fli
 
 
 class GeometrySource:
-    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions."""
+    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions.
 
-    def __init__(self, sizes: np.ndarray, batch_size: int, resize: int, crop: int) -> None:
-        self.sizes, self.positions = eval_geometry(sizes, resize, crop)
+    Args:
+        indices: The samples the reader reads, in its order.
+        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
+        batch_size: Samples per batch.
+        resize: The short side after resizing.
+        crop: The side of the centre crop.
+    """
+
+    def __init__(
+        self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int, resize: int, crop: int
+    ) -> None:
+        self.indices = indices
+        self.sizes = sizes
         self.batch_size = batch_size
-        self.batches = max(1, math.ceil(len(sizes) / batch_size))
+        self.resize, self.crop = resize, crop
+        self.batches = max(1, math.ceil(len(indices) / batch_size))
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
         start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.sizes) - 1)
-        return self.sizes[rows], self.positions[rows]
+        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
+        return eval_geometry(self.sizes(self.indices[rows]), self.resize, self.crop)
 
 
 class CropSource:
@@ -39,9 +51,24 @@ class CropSource:
 
     Computed batch by batch with numpy from the samples' seeds and image sizes, so that DALI's CPU
     threads only read and decode the files.
+
+    Args:
+        indices: The samples the reader reads, in its order.
+        seeds: Their augmentation seeds.
+        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
+        batch_size: Samples per batch.
+        scale: Range of the crop's area, as a fraction of the image.
     """
 
-    def __init__(self, seeds: Sequence[int], sizes: np.ndarray, batch_size: int, scale: tuple[float, float]) -> None:
+    def __init__(
+        self,
+        indices: np.ndarray,
+        seeds: np.ndarray,
+        sizes: Callable[[np.ndarray], np.ndarray],
+        batch_size: int,
+        scale: tuple[float, float],
+    ) -> None:
+        self.indices = indices
         self.seeds = np.asarray(seeds, dtype=np.uint64)
         self.sizes = sizes
         self.batch_size = batch_size
@@ -53,7 +80,7 @@ class CropSource:
         start = (iteration % self.batches) * self.batch_size
         rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
         draws = crop_draws(self.seeds[rows], self.scale)
-        box = crop_windows(self.sizes[rows], draws)
+        box = crop_windows(self.sizes(self.indices[rows]), draws)
         anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
         shape = np.ascontiguousarray(box[:, [3, 2]])  # and (width, height)
         return anchor, shape, flips(draws)
