@@ -234,7 +234,7 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
     from lit_imagenet.data.presets import Uint8Normalize
 
     cuda = device.type == "cuda"
-    _, samples = scan_split(root / "train")
+    samples = scan_split(root / "train").samples
     transform = transforms.Compose([transforms.RandomResizedCrop(args.crop_size), transforms.RandomHorizontalFlip()])
     loader = DataLoader(
         ImageFolderDataset(samples, transform, load_rgb),

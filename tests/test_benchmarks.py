@@ -231,3 +231,26 @@ def test_step_timeline_times_an_epoch_resumed_part_way(shapes_root: Path, tmp_pa
     for epoch in written:
         s = epoch["summary"]
         assert 0 < s["epoch_s"] < 60 and s["head_s"] + s["steps_s"] + s["tail_s"] == pytest.approx(s["epoch_s"])
+
+
+def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_restart(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from startup import build_tree, main
+    finally:
+        sys.path.pop(0)
+    sources = []
+    for k in range(3):
+        (tmp_path / "src").mkdir(exist_ok=True)
+        sources.append(tmp_path / "src" / f"{k}.jpg")
+        sources[-1].write_bytes(b"\xff\xd8\xff" + bytes([k]))
+    tree = build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3)
+    assert sorted(len(list(d.iterdir())) for d in (tree / "train").iterdir()) == [3, 3, 4]
+    assert sum(1 for _ in (tree / "val").rglob("*.JPEG")) == 4 and os.stat(sources[0]).st_nlink == 1 + 5
+    assert build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3) == tree  # kept, not made again
+    out = tmp_path / "startup"
+    assert main(["--out", str(out), "--smoke"]) == 0
+    rows = json.loads((out / "startup.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
+    assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
+    assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2

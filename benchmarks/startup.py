@@ -1,0 +1,244 @@
+"""ImageNet's file count without ImageNet: how soon a run trains, how fast, and how much host memory it holds.
+
+It builds (once, and reuses) an ImageFolder of hard links to generated JPEGs of 500x375
+(``lit_imagenet.data.synthetic.make_shapes``): by default ImageNet's 1,281,167 training and 50,000
+validation files in 1,000 class folders. Decoding then costs what it costs on the generated images,
+while the file system, the folder scan, the index and the host memory see ImageNet's size. Then it
+runs, each in a process group of its own:
+
+* the reference script, given with ``--reference PATH`` (NVIDIA apex's ``main_amp.py`` in its form
+  that runs without apex), with its ``--workers``;
+* ``train.py fit --config configs/resnet50.yaml`` as shipped, once per ``--decoders`` entry, twice:
+  a first run with an empty index folder, then a restart that finds the index.
+
+For each run it reports the seconds from launch to the first logged step (the line of step 10:
+both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
+``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
+worker, read from ``/proc/PID/smaps_rollup`` every half second). The table is printed and written
+to ``OUT/startup.json``. Caches are left warm: the tree was just built or used.
+
+    python benchmarks/startup.py --out runs/startup --reference main_amp.py
+    python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
+    python benchmarks/startup.py --out /tmp/startup --smoke   # CPU, a tiny tree, well under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = re.compile(r"^Epoch \d+ \[(\d+)/\d+\] step (\d+)")
+REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
+_MARKER = ".links.json"
+
+
+def build_tree(out: Path, sources: list[Path], train: int, val: int, classes: int) -> Path:
+    """An ImageFolder of ``train`` and ``val`` hard links to ``sources`` in ``classes`` folders (reused when made so).
+
+    A file system allows a file some tens of thousands of links (ext4: about 65,000), so each source
+    file is linked at most ``ceil((train + val) / len(sources))`` times.
+    """
+    settings = {"train": train, "val": val, "classes": classes, "sources": [str(s) for s in sources]}
+    marker = out / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == settings:
+        return out
+    if (train + val) / len(sources) > 60_000:
+        raise SystemExit(f"{train + val} links to {len(sources)} files is over 60,000 a file; use more --sources")
+    k = 0
+    for split, count in (("train", train), ("val", val)):
+        per, extra = divmod(count, classes)
+        for c in range(classes):
+            folder = out / split / f"n{c:08d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per + (c < extra)):
+                link = folder / f"n{c:08d}_{i}.JPEG"
+                if not link.exists():
+                    os.link(sources[k % len(sources)], link)
+                k += 1
+    marker.write_text(json.dumps(settings))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def tree_pss_gib(pid: int) -> float:
+    """The PSS of ``pid`` and every process below it, in GiB (``/proc/PID/smaps_rollup``)."""
+    total = 0
+    for p in _descendants(pid):
+        try:
+            text = Path(f"/proc/{p}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        match = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+        total += int(match.group(1)) if match else 0
+    return total / 2**20
+
+
+def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int,
+        timeout: float, env: dict[str, str], steady_from: int = 100) -> dict[str, Any]:  # fmt: skip
+    """Runs ``cmd`` until its line of step ``steps`` (or its end, or ``timeout``): the first step's time, the
+    throughput from step ``steady_from`` to ``steps``, the peak PSS."""
+    log = out / "logs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            start_new_session=True)  # fmt: skip
+    peak = [0.0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            peak[0] = max(peak[0], tree_pss_gib(proc.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    seen: dict[int, float] = {}
+    lines = []
+    killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    killer.start()
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        now = time.monotonic() - began
+        lines.append(f"{now:8.2f} {line}")
+        match = pattern.search(line)
+        if match:
+            seen[int(match.group(1))] = now
+            if int(match.group(1)) >= steps:
+                break
+    killer.cancel()
+    timed_out = proc.poll() is None and not seen.get(steps)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done.set()
+    sampler.join()
+    log.write_text(" ".join(cmd) + "\n" + "".join(lines))
+    first = min(seen) if seen else None
+    row: dict[str, Any] = {
+        "run": name,
+        "first_step": first,
+        "seconds_to_first_step": seen.get(first) if first is not None else None,
+        "peak_pss_gib": round(peak[0], 2),
+        "log": str(log),
+        "timed_out": timed_out,
+    }
+    if steady_from in seen and steps in seen and steps > steady_from:
+        row["images_per_sec"] = round((steps - steady_from) * images / (seen[steps] - seen[steady_from]))
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny tree and model: checks the script")
+    parser.add_argument("--reference", type=Path, default=None, help="the reference script; left out if not given")
+    parser.add_argument("--decoders", nargs="*", default=None, help="train.py's --data.decoder values (default auto)")
+    parser.add_argument("--tree", type=Path, default=None, help="the hard-link folder (default /tmp/imagenet_links)")
+    parser.add_argument("--sources", type=int, default=None, help="generated JPEGs linked to (default 25,602)")
+    parser.add_argument("--train", type=int, default=None, help="training files (default 1,281,167)")
+    parser.add_argument("--val", type=int, default=None, help="validation files (default 50,000)")
+    parser.add_argument("--classes", type=int, default=None, help="class folders (default 1,000)")
+    parser.add_argument("--steps", type=int, default=None, help="the step a first run stops at (default 400)")
+    parser.add_argument("--steady-from", type=int, default=None, help="throughput from this step on (default 100)")
+    parser.add_argument("--restart-steps", type=int, default=None, help="the step a restart stops at (default 10)")
+    parser.add_argument("--workers", type=int, default=15, help="the reference's --workers (the recipe's 15)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is stopped")
+    parser.add_argument("--label", default="", help="added to the names of this call's runs (e.g. for the extra)")
+    parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
+    args = parser.parse_args(argv)
+    full = {"tree": Path("/tmp/imagenet_links"), "sources": 25_602, "train": 1_281_167, "val": 50_000,
+            "classes": 1000, "steps": 400, "steady_from": 100, "restart_steps": 10, "decoders": ["auto"]}  # fmt: skip
+    smoke = {"tree": args.out / "tree", "sources": 8, "train": 60, "val": 12, "classes": 4, "steps": 3,
+             "steady_from": 1, "restart_steps": 1, "decoders": ["pil"]}  # fmt: skip
+    for key, value in (smoke if args.smoke else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from lit_imagenet.data.synthetic import make_shapes
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_class = -(-args.sources // 6)
+    size = (40, 40) if args.smoke else (500, 375)
+    sources_root = make_shapes(str(args.tree) + "-sources", train_per_class=per_class, val_per_class=1,
+                               width=size[0], height=size[1], num_classes=6, processes=os.cpu_count() or 1)  # fmt: skip
+    sources = sorted((sources_root / "train").rglob("*.jpg"))
+    began = time.monotonic()
+    tree = build_tree(args.tree, sources, args.train, args.val, args.classes)
+    print(f"Tree: {tree} ({args.train:,} + {args.val:,} links to {len(sources):,} files), "
+          f"{time.monotonic() - began:.0f} s", flush=True)  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    batch = 4 if args.smoke else 256
+    common = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false", "--curves.enabled", "false"]
+    if args.smoke:
+        common += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--model.arch", "resnet18",
+                   "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
+                   "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
+    rows = []
+    if args.reference is not None:
+        cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
+               "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
+        rows.append(run("reference", cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from))
+        print(json.dumps(rows[-1]), flush=True)
+    for decoder in args.decoders:
+        index = args.out / f"index-{decoder}{'-' + args.label if args.label else ''}"
+        for attempt, steps in (("first run", args.steps), ("restart", args.restart_steps)):
+            name = f"{decoder}{' ' + args.label if args.label else ''}, {attempt}"
+            run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+            cmd = [sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
+                   "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
+                   "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
+            if attempt == "first run":
+                subprocess.run(["rm", "-rf", str(index)], check=True)
+            rows.append(run(name, cmd, args.out, steps, OURS, batch, args.timeout, env, args.steady_from))
+            print(json.dumps(rows[-1]), flush=True)
+    machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        machine.update(torch=torch.__version__, gpus=[torch.cuda.get_device_name(i)
+                                                       for i in range(torch.cuda.device_count())])  # fmt: skip
+    except ImportError:
+        pass
+    report = {"tree": {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)},
+              "machine": machine, "rows": rows}  # fmt: skip
+    (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\n{'run':<28} {'first step (s)':>15} {'images/s':>10} {'peak PSS (GiB)':>15}")
+    for row in rows:
+        first = f"{row['seconds_to_first_step']:.1f}" if row["seconds_to_first_step"] is not None else "-"
+        rate = f"{row['images_per_sec']:,}" if "images_per_sec" in row else "-"
+        print(f"{row['run']:<28} {first:>15} {rate:>10} {row['peak_pss_gib']:>15.2f}")
+    print(f"\nReport: {args.out / 'startup.json'}")
+    return int(any(row["seconds_to_first_step"] is None for row in rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
