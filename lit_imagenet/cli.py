@@ -84,7 +84,10 @@ def _names_class(class_path: Any, cls: type) -> bool:
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
-    _model_config: dict[str, Any] = {}
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), for the links below.
+        self._model_config: dict[str, Any] = {}
+        super().__init__(*args, **kwargs)
 
     def _from_data_or_model(self, key: str) -> Any:
         """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
@@ -205,6 +208,8 @@ def _process_count(trainer_config: dict[str, Any]) -> int:
     devices = trainer_config.get("devices", "auto")
     if isinstance(devices, (list, tuple)):
         count = len(devices)
+    elif isinstance(devices, str) and "," in devices:  # "0,1" or "1,": the GPUs listed, as Lightning reads it
+        count = len([d for d in devices.split(",") if d.strip()])
     elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
         count = int(devices)
     elif isinstance(devices, int):

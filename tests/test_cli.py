@@ -198,3 +198,9 @@ def test_the_ddp_recipe_wraps_on_the_training_stream(shapes_root: Path, tmp_path
     cli = main(["--config", str(config), "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path),
                 "--trainer.accelerator", "cpu", "--trainer.devices", "2"], run=False)  # fmt: skip
     assert type(cli.trainer.strategy) is DefaultStreamDDPStrategy
+
+
+def test_the_cli_keeps_the_model_config_per_instance() -> None:
+    from lit_imagenet.cli import ImageNetCLI
+
+    assert "_model_config" not in vars(ImageNetCLI)  # no class attribute that two command lines would share

@@ -260,3 +260,17 @@ def test_apex_refuses_a_strategy_it_cannot_initialise_under(fake_apex) -> None:
     config = {"accelerator": "cpu", "devices": 2, "strategy": "fsdp"}
     with pytest.raises(ConfigError, match="ddp_apex, not 'fsdp'"):
         _amp_trainer_kwargs(AMPFlags(opt_level="O2", backend="apex"), config)
+
+
+@pytest.mark.parametrize(
+    ("devices", "nodes", "expected"),
+    [("0,1", 1, 2), ("1,", 1, 1), ([0, 3], 1, 2), ("4", 1, 4), (2, 3, 6), ("-1", 1, 8), ("auto", 2, 16)],
+)
+def test_the_process_count_of_the_apex_choice_reads_devices_as_lightning_does(
+    monkeypatch: pytest.MonkeyPatch, devices, nodes: int, expected: int
+) -> None:
+    """``--trainer.devices "0,1"`` lists two GPUs; it is not a count, nor every visible GPU (8 here)."""
+    from lit_imagenet.cli import _process_count
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert _process_count({"devices": devices, "num_nodes": nodes}) == expected

@@ -135,7 +135,6 @@ class Throughput(_EpochMeter):
     """
 
     def __init__(self) -> None:
-        self.history: list[dict[str, float]] = []
         self._epoch_start = 0.0
         self._epoch_images = 0
 
@@ -165,7 +164,6 @@ class Throughput(_EpochMeter):
         }
         if pl_module.device.type == "cuda":
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
-        self.history.append(record)
         memory = f", peak GPU memory {record['peak_memory_gib']:.2f} GiB" if "peak_memory_gib" in record else ""
         rank_zero_info(
             f"Epoch {trainer.current_epoch}: {record['images_per_sec']:,.0f} images/s over all processes "

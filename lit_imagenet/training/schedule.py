@@ -24,20 +24,21 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
 class WarmupMultiStep:
     """Multiplier of the base learning rate at a given optimizer step.
 
-       Calling it with the number of optimizer steps already taken (0 for the first step) gives the
-       factor for the next step. Inside epoch ``e`` (of ``steps_per_epoch`` steps), the ``k``-th step
-       (counting from 1, as the example counted it) gets::
+    Calling it with the number of optimizer steps already taken (0 for the first step) gives the
+    factor for the next step. Inside epoch ``e`` (of ``steps_per_epoch`` steps), the ``k``-th step
+    (counting from 1, as the example counted it) gets::
 
-           gamma ** (milestones reached by e)
-           * (1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)   # only while e < warmup_epochs
-    It is a plain object with
-       numeric attributes, so ``LambdaLR`` saves and restores it with its state dict.
+        gamma ** (milestones reached by e)
+        * (1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)   # only while e < warmup_epochs
 
-       Args:
-           steps_per_epoch: Optimizer steps in one epoch.
-           warmup_epochs: Epochs of linear warmup; 0 turns warmup off.
-           milestones: Epochs at which the rate is multiplied by ``gamma``.
-           gamma: The multiplier applied at each milestone.
+    It is a plain object with numeric attributes, so ``LambdaLR`` saves and restores it with its
+    state dict.
+
+    Args:
+        steps_per_epoch: Optimizer steps in one epoch.
+        warmup_epochs: Epochs of linear warmup; 0 turns warmup off.
+        milestones: Epochs at which the rate is multiplied by ``gamma``.
+        gamma: The multiplier applied at each milestone.
     """
 
     def __init__(
