@@ -27,6 +27,11 @@ def test_finetune_notebook_runs_and_reaches_its_accuracy(tmp_path: Path, monkeyp
     weights = torch.load(tmp_path / "data" / "nb_pretrained_resnet18.pth", weights_only=True)
     assert weights["fc.weight"].shape == (6, 512)
     # The curve it plotted: a validation point for each of the 8 epochs, and training losses between them.
-    rows = list(csv.DictReader(open(tmp_path / "data" / "nb_logs" / "finetune" / "version_0" / "metrics.csv")))
+    version = tmp_path / "data" / "nb_logs" / "finetune" / "version_0"
+    rows = list(csv.DictReader(open(version / "metrics.csv")))
     assert len([r for r in rows if r.get("val/top1")]) == 8
     assert len([r for r in rows if r.get("train/loss_step")]) >= 8
+    # default_callbacks() gave the command line's behaviour: checkpoints, the console line, curves, throughput.
+    assert (version / "checkpoints" / "last.ckpt").is_file() and (version / "training_curves.png").is_file()
+    printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "Epoch 7 [12/12] step 96 |" in printed and "Epoch 7: " in printed and "images/s over all processes" in printed
