@@ -15,7 +15,9 @@ For each run it reports the seconds from launch to the first logged step (the li
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
 ``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
 worker, read from ``/proc/PID/smaps_rollup`` every half second). The table is printed and written
-to ``OUT/startup.json``. Caches are left warm: the tree was just built or used.
+to ``OUT/startup.json``, after two rows that time the interpreter's imports alone (``torch`` and
+``torchvision``, what the reference imports; ``lit_imagenet.cli``, what ``train.py`` imports): the part
+of a start that no data path can shorten. Caches are left warm: the tree was just built or used.
 
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
@@ -203,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                    "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
                    "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
     rows = []
+    for what, code in (("imports: torch, torchvision", "import torch, torchvision"),
+                       ("imports: lit_imagenet.cli", "import lit_imagenet.cli")):  # fmt: skip
+        began = time.monotonic()
+        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True)
+        rows.append({"run": what, "seconds_to_first_step": None, "seconds": round(time.monotonic() - began, 2)})
+        print(json.dumps(rows[-1]), flush=True)
     if args.reference is not None:
         cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
@@ -233,11 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'run':<28} {'first step (s)':>15} {'images/s':>10} {'peak PSS (GiB)':>15}")
     for row in rows:
+        if "seconds" in row:  # an import row: the seconds the interpreter took
+            print(f"{row['run']:<28} {row['seconds']:>15.1f}")
+            continue
         first = f"{row['seconds_to_first_step']:.1f}" if row["seconds_to_first_step"] is not None else "-"
         rate = f"{row['images_per_sec']:,}" if "images_per_sec" in row else "-"
         print(f"{row['run']:<28} {first:>15} {rate:>10} {row['peak_pss_gib']:>15.2f}")
     print(f"\nReport: {args.out / 'startup.json'}")
-    return int(any(row["seconds_to_first_step"] is None for row in rows))
+    return int(any(row["seconds_to_first_step"] is None for row in rows if "seconds" not in row))
 
 
 if __name__ == "__main__":

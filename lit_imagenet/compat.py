@@ -169,3 +169,22 @@ def count_epoch_as_started(trainer: pl.Trainer) -> None:
     if current.started <= current.processed:
         _private(progress, "increment_ready", "_Progress")()
         _private(progress, "increment_started", "_Progress")()
+
+
+def epoch_batches_done(trainer: pl.Trainer) -> int:
+    """The training batches of the current epoch that the fit loop counts as processed (restored on a resume)."""
+    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    return int(_private(progress.current, "processed", "_ReadyCompletedTracker"))
+
+
+def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
+    """Moves the fit loop's batch counts of the current epoch (and of the run) by ``batches``, each alike.
+
+    A run resumed with another number of processes or another batch size trains the rest of its epoch in
+    batches of another grid: the loop's counts must say how many of that grid's batches the epoch has had,
+    for the epoch to end after its last one.
+    """
+    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    for counts in (progress.current, progress.total):
+        for name in ("ready", "started", "processed", "completed"):
+            setattr(counts, name, int(_private(counts, name, "_ReadyCompletedTracker")) + batches)

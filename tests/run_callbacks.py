@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import json
 import os
 import time
 from pathlib import Path
@@ -104,3 +105,28 @@ class RecordReads(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._log(f"TRAIN {trainer.global_rank}")
+
+
+class RecordBatches(pl.Callback):
+    """Writes a JSON line per training batch to ``folder/batches-rankN.jsonl``: the epoch, the batch's index in it,
+    the global step before its optimizer step, its learning rate and its labels.
+
+    Args:
+        folder: Where to write.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self._lr = 0.0
+        self._step = 0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self._lr, self._step = float(trainer.optimizers[0].param_groups[0]["lr"]), trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        self.folder.mkdir(parents=True, exist_ok=True)
+        row = {"epoch": trainer.current_epoch, "batch": batch_idx, "step": self._step, "lr": self._lr,
+               "labels": batch[1].tolist()}  # fmt: skip
+        with open(self.folder / f"batches-rank{trainer.global_rank}.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")

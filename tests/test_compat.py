@@ -216,3 +216,19 @@ def test_count_epoch_as_started_counts_the_current_epoch_once() -> None:
     compat.count_epoch_as_started(trainer)
     compat.count_epoch_as_started(trainer)  # inside the epoch already: nothing more
     assert (progress.current.ready, progress.current.started, progress.current.processed) == (1, 1, 0)
+
+
+def test_epoch_batches_done_and_shift_epoch_batches(tmp_path: Path) -> None:
+    class Shift(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if args[-1] == 1:
+                self.before = compat.epoch_batches_done(trainer)
+                compat.shift_epoch_batches(trainer, 3)  # as if 3 more batches of the epoch had been trained
+                self.after = compat.epoch_batches_done(trainer)
+
+    shift = Shift()
+    trainer = pl.Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", logger=False, callbacks=[shift],
+                         enable_progress_bar=False, enable_checkpointing=False)  # fmt: skip
+    trainer.fit(Tiny())
+    assert (shift.before, shift.after) == (2, 5)  # batches 0 and 1 processed, then 3 more
+    assert trainer.global_step == 8 - 3  # the epoch of 8 batches ended 3 batches early

@@ -407,10 +407,16 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
     assert final_whole.keys() == final_cut.keys() and not different, (killed_at, different[:5])
 
 
-def test_workers_are_dali_threads_and_the_loader_has_a_length(shapes_root: Path) -> None:
-    loader = _module(shapes_root, workers=3, batch_size=5).train_dataloader()
+def test_dali_threads_come_from_the_cores_not_from_workers_and_the_loader_has_a_length(
+    shapes_root: Path, monkeypatch
+) -> None:
+    loader = _module(shapes_root, dali_threads=3, workers=15, batch_size=5).train_dataloader()
     assert isinstance(loader, DALILoader) and loader.threads == 3 and len(loader) == 5 and loader.batch_size == 5
-    assert _module(shapes_root, workers=0).val_dataloader().threads == 1
+    for cores, threads in ((16, 8), (32, 8), (8, 4), (2, 2), (1, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert _module(shapes_root, workers=15).val_dataloader().threads == threads
+    with pytest.raises(ValueError, match="dali_threads must be at least 1. Got 0"):
+        _module(shapes_root, dali_threads=0)
 
 
 def test_predict_batches_carry_the_sample_indices(shapes_root: Path) -> None:
@@ -533,3 +539,37 @@ def test_mixed_decoder_batches_on_the_gpu_and_a_short_fit(learnable_root: Path, 
     assert ((gpu_images - cpu_images) * STD_255).abs().mean() < 3
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
     assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
+
+
+def test_a_long_pass_starts_with_a_pipeline_of_its_first_batches_and_goes_on_in_one_of_the_rest(
+    shapes_root: Path, monkeypatch
+) -> None:
+    """The first ``head_batches`` come from a pipeline of their own, the rest of the epoch (and the epochs after it
+    in one pass) from one built in the loader's thread meanwhile: the very batches of an unsplit pass, resumes too."""
+    builds: list[tuple[str, int]] = []
+    pipeline = DALILoader._pipeline
+
+    def counted(self, indices, seeds):
+        builds.append((threading.current_thread().name.split("_")[0], len(indices)))
+        return pipeline(self, indices, seeds)
+
+    def loader(head: int):
+        dali = _module(shapes_root, batch_size=5).train_dataloader()
+        dali.head_batches, dali.pass_samples, dali.epochs = head, 2 * 24, 2  # one pass of two epochs, none after
+        return dali
+
+    whole = loader(head=100)
+    expected = [list(whole) for _ in range(2)]
+    assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]
+    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    split = loader(head=2)
+    got = list(split)
+    assert builds == [("MainThread", 10), ("dali-pipeline", 15 + 25)]  # 2 batches; the 3 others and epoch 1
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[0], strict=True))
+    got = list(split)  # epoch 1, from the pipeline of the rest
+    assert len(builds) == 2 and all(
+        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[1], strict=True)
+    )
+    resumed = loader(head=1)
+    resumed.sampler.resume_at(0, 5)  # the first batch was trained on
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(list(resumed), expected[0][1:], strict=True))

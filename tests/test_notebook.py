@@ -34,4 +34,6 @@ def test_finetune_notebook_runs_and_reaches_its_accuracy(tmp_path: Path, monkeyp
     # default_callbacks() gave the command line's behaviour: checkpoints, the console line, curves, throughput.
     assert (version / "checkpoints" / "last.ckpt").is_file() and (version / "training_curves.png").is_file()
     printed = "".join(o.get("text", "") for c in nb.cells for o in c.get("outputs", []))
-    assert "Epoch 7 [12/12] step 96 |" in printed and "Epoch 7: " in printed and "images/s over all processes" in printed
+    assert (
+        "Epoch 7 [12/12] step 96 |" in printed and "Epoch 7: " in printed and "images/s over all processes" in printed
+    )

@@ -9,7 +9,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from lit_imagenet.cli import main
+from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.samplers import EpochSeededSampler
 from tests.cli_args import fit_args
 from tests.runs import differing, final_checkpoint, global_step
@@ -120,3 +123,92 @@ def test_a_run_resumed_from_an_epochs_last_step_resumes_exactly_again(shapes_roo
     assert global_step(final) == 24
     different = differing(whole, final)
     assert not different, different[:5]
+
+
+def _one_image_per_class(root: Path, classes: int) -> Path:
+    """``classes`` classes of one training image each: a batch's labels say which samples it holds."""
+    from PIL import Image
+
+    for split, count in (("train", classes), ("val", 4)):
+        for c in range(count if split == "val" else classes):
+            (root / split / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (20, 18), (c * 6 % 256, c * 13 % 256, 90)).save(root / split / f"c{c:03d}" / "x.jpg")
+    for c in range(4, classes):  # the same classes in val (an image each for the first 4, a copy for the others)
+        (root / "val" / f"c{c:03d}").mkdir(parents=True, exist_ok=True)
+        (root / "val" / f"c{c:03d}" / "x.jpg").write_bytes((root / "train" / f"c{c:03d}" / "x.jpg").read_bytes())
+    return root
+
+
+def _elastic_run(root: Path, out: Path, processes: int, *extra: str) -> subprocess.CompletedProcess:
+    record = out / "record.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text("trainer:\n  callbacks:\n    - class_path: tests.run_callbacks.RecordBatches\n"
+                      f"      init_args: {{folder: {out / 'batches'}}}\n")  # fmt: skip
+    args = fit_args(root, out, "--trainer.devices", str(processes), "--seed_everything", "5",
+                    "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "1",
+                    "--curves.enabled", "false", "--config", str(record), *extra, batch_size=3)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=out, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _batches(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for f in sorted((out / "batches").glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("before", "after", "stop_at"), [(2, 1, 8), (1, 2, 16)])
+def test_a_run_resumed_on_another_number_of_processes_trains_each_rest_of_its_epoch_once(
+    tmp_path: Path, before: int, after: int, stop_at: int
+) -> None:
+    """35 samples in batches of 3 (no batch of one, which batch norm refuses), stopped part-way through epoch 1 and
+    resumed with another number of processes: the two parts of epoch 1 train every sample, none twice but for the
+    padding of the resumed part's shards (at most ``after - 1``); epoch 2 is the seed's order for ``after``
+    processes; every learning rate after the resume is the reference's rule for the new global batch at its place
+    in the epoch."""
+    from lit_imagenet.data.samplers import epoch_order
+    from lit_imagenet.training.schedule import WarmupMultiStep, scaled_lr
+
+    root = _one_image_per_class(tmp_path / "data", 35)
+    first = _elastic_run(root, tmp_path / "first", before, "--trainer.max_steps", str(stop_at))
+    assert "Resumed" not in first.stdout + first.stderr
+    (ckpt,) = (tmp_path / "first").rglob("last-step.ckpt")
+    assert global_step(ckpt) == stop_at
+    resumed = _elastic_run(root, tmp_path / "resumed", after, "--trainer.max_epochs", "3", "--ckpt_path", str(ckpt))
+    per_rank = {n: -(-35 // n) for n in (1, 2)}
+    steps = {n: -(-per_rank[n] // 3) for n in (1, 2)}  # optimizer steps an epoch
+    line = next(ln for ln in (resumed.stdout + resumed.stderr).splitlines() if ln.startswith("Resumed"))
+    assert line.startswith(f"Resumed a {before}-process run on {after} process{'es' if after > 1 else ''}: "
+                           f"global batch {3 * before} -> {3 * after}, learning rate ")  # fmt: skip
+
+    trained = [b for b in _batches(tmp_path / "first") if b["step"] < stop_at]
+    again = _batches(tmp_path / "resumed")
+    epoch1 = [label for b in trained + again if b["epoch"] == 1 for label in b["labels"]]
+    assert set(epoch1) == set(range(35)) and len(epoch1) - 35 <= after - 1, sorted(epoch1)
+    overlap = {label for b in again if b["epoch"] == 1 for label in b["labels"]} & {
+        label for b in trained if b["epoch"] == 1 for label in b["labels"]
+    }
+    assert len(overlap) <= after - 1  # the padding of the resumed shards repeats the epoch's first samples
+    # Epoch 2 is the order of a run started with `after` processes.
+    labels = ImageFolderDataModule(str(root), index=False).samples("train").labels
+    for rank in range(after):
+        wanted = labels[epoch_order(35, 5, 2, after, rank)].tolist()
+        got = [label for b in _batches_of_rank(tmp_path / "resumed", rank) if b["epoch"] == 2 for label in b["labels"]]
+        assert got == wanted
+    # The learning rate of every batch after the resume: the rule for the new global batch, at the batch's place.
+    rule = WarmupMultiStep(steps[after], 5, (30, 60, 80), 0.1)
+    base = scaled_lr(0.1, 3 * after)
+    for b in again:
+        assert b["lr"] == pytest.approx(base * rule(b["epoch"] * steps[after] + b["batch"]), rel=1e-9), b
+    assert [b["batch"] for b in _batches_of_rank(tmp_path / "resumed", 0) if b["epoch"] == 1][-1] == steps[after] - 1
+
+
+def _batches_of_rank(out: Path, rank: int) -> list[dict]:
+    import json
+
+    path = out / "batches" / f"batches-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.utilities import rank_zero_info
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from lit_imagenet.data import presets
@@ -84,7 +84,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
             sub-folder of images per class.
         batch_size: Images per batch in each process.
-        workers: Loader worker processes per training process; they persist across epochs.
+        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``); they
+            persist across epochs.
         crop_size: Side of the square crops fed to the network.
         val_resize: Validation images are resized so that their short side is this long, then
             centre-cropped to ``crop_size``.
@@ -99,8 +100,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
             (``lit_imagenet.data.nvjpeg``), for when the CPU cores cannot decode fast enough; ``dali``
             reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.data.dali``;
-            on CUDA the GPU and its hardware JPEG decoder do the work; ``workers`` is then its number of
-            CPU threads); ``auto`` picks ``dali`` on one CUDA device when DALI is installed, else ``nvjpeg``
+            on CUDA the GPU and its hardware JPEG decoder do the work, with ``dali_threads`` CPU threads
+            and no worker processes); ``auto`` picks ``dali`` on one CUDA device when DALI is installed, else ``nvjpeg``
             on CUDA (on several GPUs too), else ``pil``. The start of a run logs the decoder, and why.
         gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
             workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
@@ -119,6 +120,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             place is not seen by it, and is named when it is read, as any bad file is.
         index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
             ``~/.cache/lit_imagenet/index``); the data folder itself may be read-only.
+        dali_threads: With ``decoder: dali``, the pipeline's CPU threads, which read the files. ``None``: half
+            the CPU cores this process has a share of (its cores over the processes of its node), 2 to 8.
         persistent_eval_workers: Keep the loader workers of validation, testing and prediction
             between passes. ``False`` starts them at each pass, as the reference did: they then hold
             no host memory while training runs, and each validation waits for them to start.
@@ -143,6 +146,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         hw_decoder_load: float = HW_DECODER_LOAD,
         index: bool = True,
         index_dir: str | None = None,
+        dali_threads: int | None = None,
         persistent_eval_workers: bool = True,
     ) -> None:
         super().__init__()
@@ -182,12 +186,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         self.hw_decoder_load = float(hw_decoder_load)
+        if dali_threads is not None and dali_threads < 1:
+            raise ValueError(f"dali_threads must be at least 1. Got {dali_threads}")
+        self.dali_threads = dali_threads
         self.persistent_eval_workers = persistent_eval_workers
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
         self.std = IMAGENET_STD
 
+        #: The processes and batch size of the run whose checkpoint this run resumes from (``load_state_dict``).
+        self._saved: dict[str, int] | None = None
         self.classes: list[str] = []
         self._splits: dict[str, SampleTable] = {}
         if self.root is not None:
@@ -207,6 +216,22 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def class_to_idx(self) -> dict[str, int]:
         """Class folder name to label index, as the model's outputs are ordered."""
         return {name: i for i, name in enumerate(self.classes)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on from the same sample: this run's processes, batch size, training size."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        train = len(self._splits["train"]) if "train" in self._splits else 0
+        return {"world_size": world, "batch_size": self.batch_size, "train_samples": train}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = {key: int(state_dict[key]) for key in ("world_size", "batch_size") if key in state_dict}
+        self._saved = saved if len(saved) == 2 else None
+        before, now = state_dict.get("train_samples"), len(self._splits.get("train", ()))
+        if before and now and int(before) != now:
+            rank_zero_warn(
+                f"The training split has {now:,} images, the run of the checkpoint had {before:,}: its epoch goes on "
+                "in the order of the new split, where some images may come twice and others not at all."
+            )
 
     def samples(self, split: str) -> SampleTable:
         """``(path, label)`` pairs of a split (``train``, ``val``, ``test`` or ``predict``), as numpy arrays."""
@@ -256,7 +281,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
             decoder, self.samples(split), transform, self._memory_format(), train, crop_size=self.crop_size,
             crop_scale=self.crop_scale, val_resize=self.val_resize, gpu_share=self.gpu_share,
         )  # fmt: skip
-        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size)
+        saved = self._saved if train else None
+        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved)
         if decoder == "dali":
             return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
@@ -286,7 +312,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self.crop_size,
             self.val_resize,
             self.crop_scale,
-            threads=self.workers,
+            threads=self._dali_threads(),
             sampler=sampler,
             device=device,
             channels_last=self._memory_format() == torch.channels_last,
@@ -297,6 +323,13 @@ class ImageFolderDataModule(pl.LightningDataModule):
             max_batches=None if train else self._batch_limit(stage),
             epochs=self.trainer.max_epochs if train and self.trainer is not None else None,
         )
+
+    def _dali_threads(self) -> int:
+        if self.dali_threads is not None:
+            return self.dali_threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        processes = self.trainer.num_devices if self.trainer is not None else 1
+        return max(2, min(8, cores // max(1, processes) // 2))
 
     def _batch_limit(self, stage: str) -> int | None:
         """The batches Lightning reads of an evaluation stage (``--trainer.limit_*_batches``), None for all."""

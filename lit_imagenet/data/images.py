@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
@@ -171,27 +171,44 @@ def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
     return height, width
 
 
+class _HeaderSizes(torch.utils.data.IterableDataset):
+    """``(indices, int32 (N, 2) sizes)`` for chunks of an order of samples, read in a loader worker; zeros where a
+    header cannot be read (``ImageSizes.get`` names the file when its batch is made)."""
+
+    def __init__(self, samples: SampleTable, order: np.ndarray, chunk: int) -> None:
+        self.samples, self.order, self.chunk = samples, order, chunk
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for start in range(0, len(self.order), self.chunk):
+            indices = self.order[start : start + self.chunk]
+            sizes = np.zeros((len(indices), 2), dtype=np.int32)
+            for k, path in enumerate(self.samples.paths(indices)):
+                try:
+                    sizes[k] = image_size(path)
+                except DataError:
+                    pass
+            yield indices, sizes
+
+
 class ImageSizes:
     """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
 
-    ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a
-    background thread read the headers of an order of samples a little ahead of the ``get`` calls
-    that will need them (``lead`` samples beyond those asked for so far), so that nothing is read for
-    the whole table before its first batch, and the reading is spread over the pass instead of taking
-    the interpreter from the training thread all at once. Each file is read once, by one of them. A
-    header that cannot be read is named by ``get``, where it is needed; the thread leaves it.
+    ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a loader
+    worker process read the headers of an order of samples ahead of the ``get`` calls that will need
+    them, so that nothing is read for the whole table before its first batch, and the reading takes
+    no time from the training process's threads. A header that cannot be read is named by ``get``.
 
     Args:
         samples: ``(path, label)`` samples (a ``SampleTable``).
     """
 
+    #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
+    CHUNK, AHEAD = 256, 16
+
     def __init__(self, samples: SampleTable) -> None:
         self.samples = samples
         self.sizes = np.zeros((len(samples), 2), dtype=np.int32)  # 0: not read yet
         self._ahead: tuple[threading.Thread, threading.Event] | None = None
-        self._reading = threading.Lock()  # held while headers are read: each is read once, by one thread
-        self._asked = threading.Condition()  # guards _wanted, the samples asked for since read_ahead
-        self._wanted = 0
 
     def get(self, indices: np.ndarray) -> np.ndarray:
         """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
@@ -200,51 +217,47 @@ class ImageSizes:
             DataError: A header cannot be read; the message names the file.
         """
         indices = np.asarray(indices, dtype=np.int64)
-        with self._asked:
-            self._wanted += len(indices)
-            self._asked.notify()
-        if (self.sizes[indices, 0] == 0).any():
-            with self._reading:
-                for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
-                    self.sizes[i] = image_size(self.samples.path(i))
+        for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
+            self.sizes[i] = image_size(self.samples.path(i))
         return self.sizes[indices]
 
-    def read_ahead(self, order: np.ndarray, lead: int = 4096) -> None:
-        """Starts reading the headers of samples ``order`` in a thread, in that order, up to ``lead`` samples beyond
-        those ``get`` has been asked for since; the last such thread stops."""
+    def read_ahead(self, order: np.ndarray) -> None:
+        """Starts reading the headers of samples ``order`` not read yet, in that order, in a loader worker; the last
+        such reading stops."""
         self.stop()
-        with self._asked:
-            self._wanted = 0
+        order = np.asarray(order, dtype=np.int64)
+        order = order[self.sizes[order, 0] == 0]
+        if len(order) == 0:
+            return
         done = threading.Event()
-        thread = threading.Thread(target=self._read, args=(np.asarray(order, dtype=np.int64), lead, done),
-                                  daemon=True, name="image-sizes")  # fmt: skip
+        thread = threading.Thread(target=self._read, args=(order, done), daemon=True, name="image-sizes")
         self._ahead = (thread, done)
         thread.start()
 
     def stop(self) -> None:
-        """Stops the reading thread, if one is running."""
+        """Stops the reading ahead, if it runs, and its worker."""
         if self._ahead is not None:
             thread, done = self._ahead
             done.set()
-            with self._asked:
-                self._asked.notify()
             thread.join()
             self._ahead = None
 
-    def _read(self, order: np.ndarray, lead: int, done: threading.Event) -> None:
-        for start in range(0, len(order), 32):  # small chunks: get waits for one at most
-            with self._asked:
-                while start >= self._wanted + lead and not done.is_set():
-                    self._asked.wait()
-            if done.is_set():
-                return
-            chunk = order[start : start + 32]
-            with self._reading:
-                for i in chunk[self.sizes[chunk, 0] == 0].tolist():
-                    try:
-                        self.sizes[i] = image_size(self.samples.path(i))
-                    except DataError:
-                        pass  # get names it, when the batch that holds it is made
+    def _read(self, order: np.ndarray, done: threading.Event) -> None:
+        loader = torch.utils.data.DataLoader(
+            _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
+            prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
+        )  # fmt: skip
+        chunks = iter(loader)
+        try:
+            for indices, sizes in chunks:
+                found = sizes[:, 0] > 0
+                self.sizes[indices[found]] = sizes[found]
+                if done.is_set():
+                    return
+        except Exception:  # the worker went away (the process is ending): get reads what it needs
+            return
+        finally:
+            del chunks  # stops the worker
 
 
 def gpu_decodable(data: Tensor) -> bool:

@@ -16,6 +16,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from lit_imagenet import compat
+
 
 @contextmanager
 def seeded_rng(seed: int | None) -> Iterator[None]:
@@ -161,20 +163,35 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
 
 def split_sampler(
-    dataset: Dataset, train: bool, seed: int, trainer: pl.Trainer | None, batch_size: int
+    dataset: Dataset,
+    train: bool,
+    seed: int,
+    trainer: pl.Trainer | None,
+    batch_size: int,
+    saved: dict[str, int] | None = None,
 ) -> DistributedSampler | None:
     """The sampler of a split's loader, for this process of the trainer's run (one process without a trainer).
 
     Training: an ``EpochSeededSampler``, set to the restored position of a resumed run. Evaluation:
     an ``UnpaddedDistributedSampler`` under DDP, else none (the loader's own order).
+
+    A run resumed part-way through an epoch goes on after the samples its checkpoint's run trained on: the
+    first ``processes x batch_size x batches`` of the epoch's order, counted with ``saved``'s processes and
+    batch size (``world_size``, ``batch_size``: those of the run that saved the checkpoint; this run's when
+    ``None``). When they differ from this run's, the rest of the epoch is shared out among this run's
+    processes in this run's batches, and the fit loop's batch counts are moved on to match.
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
-    if train:
-        sampler = EpochSeededSampler(dataset, seed, world, rank)
-        if trainer is not None:
-            epoch, done = resume_position(trainer, math.ceil(len(sampler) / batch_size))
-            sampler.resume_at(epoch, done * batch_size * world)  # every process trained its first batches
+    if not train:
+        return UnpaddedDistributedSampler(dataset, world, rank) if world > 1 else None
+    sampler = EpochSeededSampler(dataset, seed, world, rank)
+    if trainer is None:
         return sampler
-    if world > 1:
-        return UnpaddedDistributedSampler(dataset, world, rank)
-    return None
+    old_world, old_batch = (saved["world_size"], saved["batch_size"]) if saved else (world, batch_size)
+    old_batches = math.ceil(math.ceil(len(dataset) / old_world) / old_batch)  # type: ignore[arg-type]
+    epoch, done = resume_position(trainer, old_batches)
+    sampler.resume_at(epoch, done * old_batch * old_world)  # every process trained its first batches
+    if done and (old_world, old_batch) != (world, batch_size):
+        rest = math.ceil(len(sampler.order()[0]) / batch_size)
+        compat.shift_epoch_batches(trainer, math.ceil(len(sampler) / batch_size) - rest - done)
+    return sampler

@@ -13,12 +13,13 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
-from lit_imagenet.compat import attached_trainer, metric_defaults, writes_log_line
+from lit_imagenet.compat import attached_trainer, epoch_batches_done, metric_defaults, writes_log_line
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.training import models, optim
@@ -112,6 +113,7 @@ class ImageClassifier(pl.LightningModule):
         #: sets it from ``--prefetch.*``.
         self.prefetch = CUDAPrefetch()
         self._compiled = False
+        self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
     @override
@@ -285,16 +287,54 @@ class ImageClassifier(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
-        base_lr = scaled_lr(self.hparams.lr, self.global_batch_size())
+        global_batch = self.global_batch_size()
+        base_lr = scaled_lr(self.hparams.lr, global_batch)
         steps = self.steps_per_epoch()
+        grid, self._saved_grid = self._saved_grid, None
+        if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
+            self._move_schedule(scheduler, grid, global_batch, steps)
         optim.restart_schedule(
             scheduler, [base_lr, base_lr * self.hparams.backbone_lr_scale], lambda: self._schedule(steps)
         )
+
+    def _move_schedule(
+        self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
+    ) -> None:
+        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid.
+
+        The data module has moved the fit loop's batch count to the batches of this run's size that the epoch
+        has had (``samplers.split_sampler``); the schedule counts their optimizer steps, so that the epoch's
+        warmup and milestones come where they would have, at the rate of this run's global batch.
+        """
+        epoch = self.trainer.current_epoch
+        done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
+        before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]
+        old_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
+        scheduler.last_epoch = epoch * steps + done
+        new_lr = scaled_lr(self.hparams.lr, global_batch) * self._schedule(steps)(scheduler.last_epoch)
+        before_world, world = grid.get("world_size", "a"), self.trainer.world_size
+        rank_zero_info(
+            f"Resumed a {before_world}-process run on {world} process{'es' if world > 1 else ''}: global batch "
+            f"{grid['global_batch']} -> {global_batch}, learning rate {old_lr:.4g} -> {new_lr:.4g} (lr x global "
+            f"batch / 256), epoch {epoch} on from its step {done} of {steps} (it was at {before} of "
+            f"{grid['steps_per_epoch']})."
+        )
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._saved_grid = checkpoint.get("schedule_grid")
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["arch"] = self.hparams.arch
         checkpoint["class_names"] = self.hparams.class_names
+        if attached_trainer(self) is not None and self.trainer.training:
+            # A run resumed with another global batch places its schedule by these (on_train_start).
+            checkpoint["schedule_grid"] = {
+                "global_batch": self.global_batch_size(),
+                "world_size": self.trainer.world_size,
+                "steps_per_epoch": self.steps_per_epoch(),
+            }
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
             # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.

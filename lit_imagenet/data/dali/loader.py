@@ -50,6 +50,9 @@ _BATCHES_AHEAD = 3
 # process), while the epochs' orders take about a microsecond per sample to draw and 100 bytes to hold.
 PASS_SAMPLES = 262_144
 PASS_EPOCHS = 16
+# The first batches of a long pass come from a pipeline of their own, which builds in a moment; the one of
+# the rest, whose reader takes a list of every file of the pass, is built while they train.
+HEAD_BATCHES = 64
 
 
 def dali_install_command() -> str:
@@ -164,6 +167,7 @@ class DALILoader:
         self.hw_decoder_load = hw_decoder_load
         self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
         self.pass_samples = pass_samples
+        self.head_batches = HEAD_BATCHES
         self.epochs = epochs if epochs is not None and epochs > 0 else None
         self._kept: _Pass | None = None  # a pipeline ready for the next pass (see ``_batches``)
         self._sizes = ImageSizes(self.samples)  # read from the headers as the batches need them
@@ -229,7 +233,7 @@ class DALILoader:
             std=self.std, hw_decoder_load=self.hw_decoder_load,
         )  # fmt: skip
 
-    def _start(self, sampler: Sampler | None = None) -> _Pass | None:
+    def _start(self, sampler: Sampler | None = None, split: bool = False) -> _Pass | None:
         """Builds the pipeline of a pass in the sampler's current order; DALI prepares its first batch meanwhile.
 
         Training reads the order of ``sampler``, the loader's own by default (a resumed epoch's skip is then
@@ -239,27 +243,50 @@ class DALILoader:
         whole batches with its last sample (as DALI's reader pads a last batch); the padding is cut from
         each epoch's last batch. The images' sizes, which the crops need, are read from their headers as
         the batches need them, and ahead of them in a thread, so nothing is read for the whole pass first.
+
+        With ``split``, a pass longer than twice ``head_batches`` starts with a pipeline of its first
+        ``head_batches`` batches alone, which builds in a moment whatever the dataset's size, and the
+        pipeline of the rest (``_Pass.rest``) is built in the loader's thread while they train.
+        """
+        sampler = self.sampler if sampler is None else sampler
+        seed = getattr(sampler, "seed", None)
+        if not self.train:
+            indices = self._eval_order()
+            return self._build(indices, None, [(0, len(indices))], seed, indices) if len(indices) else None
+        epochs = self._training_epochs(sampler)
+        indices, seeds = _padded(epochs, self.batch_size)
+        if len(indices) == 0:  # a shard with no samples, or an epoch resumed after its last batch
+            return None
+        head = self.head_batches * self.batch_size
+        if not split or len(epochs[0][1]) <= 2 * head:
+            return self._build(indices, seeds, [(epoch, len(order)) for epoch, order, _ in epochs], seed, indices)
+        first, order, drawn = epochs[0]
+        spans = [(first, len(order) - head)] + [(epoch, len(later)) for epoch, later, _ in epochs[1:]]
+        started = self._build(indices[:head], seeds[:head], [(first, head)], seed, read_ahead=indices)
+        if self._builder is None:
+            self._builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dali-pipeline")
+        started.rest = self._builder.submit(self._build, indices[head:], seeds[head:], spans, seed, None)
+        return started
+
+    def _build(
+        self,
+        indices: np.ndarray,
+        seeds: np.ndarray | None,
+        spans: list[tuple[int, int]],
+        seed: int | None,
+        read_ahead: np.ndarray | None,
+    ) -> _Pass:
+        """The pipeline that reads ``indices`` (with their ``seeds`` for training) behind DALI's iterator.
+
+        ``read_ahead``: the order whose headers the size thread is to read ahead of the batches (``None``: the
+        one it reads already, for the rest of a pass whose first part started it).
         """
         from nvidia.dali.plugin.base_iterator import LastBatchPolicy
         from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-        sampler = self.sampler if sampler is None else sampler
-        seeds: np.ndarray | None = None
-        if self.train:
-            epochs = self._training_epochs(sampler)
-            parts = [(order, drawn, -len(order) % self.batch_size) for _, order, drawn in epochs if len(order)]
-            indices = np.concatenate([np.concatenate([o, np.repeat(o[-1:], short)]) for o, _, short in parts] or
-                                     [np.zeros(0, dtype=np.int64)])  # fmt: skip
-            seeds = np.concatenate([np.concatenate([d, np.repeat(d[-1:], short)]) for _, d, short in parts] or
-                                   [np.zeros(0, dtype=np.uint64)])  # fmt: skip
-            spans = [(epoch, len(order)) for epoch, order, _ in epochs]
-        else:
-            indices = self._eval_order()
-            spans = [(0, len(indices))]
-        if len(indices) == 0:  # a shard with no samples, or an epoch resumed after its last batch
-            return None
-        # The first batches' sizes are read as DALI prepares them; the thread reads on from there.
-        self._sizes.read_ahead(indices[(1 + _BATCHES_AHEAD) * self.batch_size :])
+        if read_ahead is not None:
+            # The first batches' sizes are read as DALI prepares them; the thread reads on from there.
+            self._sizes.read_ahead(read_ahead[(1 + _BATCHES_AHEAD) * self.batch_size :])
         try:
             pipe = self._pipeline(indices, seeds)
             source = DALIGenericIterator(
@@ -267,7 +294,7 @@ class DALILoader:
             )
         except RuntimeError as err:
             raise _named_error(err, self._window(indices, 0), self.threads) from None
-        return _Pass(source, indices, spans, getattr(sampler, "seed", None))
+        return _Pass(source, indices, spans, seed)
 
     def _window(self, indices: np.ndarray, batch: int) -> list[str]:
         """The files of batch ``batch`` of a pass and of the batches DALI may have read beyond it."""
@@ -330,30 +357,37 @@ class DALILoader:
           the next pass, which reads the same files.
         Lightning stops asking once it has an epoch's last batch.
         """
-        current = self._start() if started is False else started
+        current = self._start(split=True) if started is False else started
         if current is None:
             return
         early = self.train and moves_by_epoch(self.sampler)
-        _, count = current.spans[current.span]
-        total = math.ceil(count / self.batch_size)
-        if total == 0:
-            self._epoch_read(current, early)
         try:
-            for batch in range(total):
-                try:
-                    out = next(current.source)[0]
-                except StopIteration:  # not expected: the reader holds every batch of its epochs
-                    break
-                current.read += 1
-                images, labels = out["images"], out["labels"]
-                if self.channels_last:
-                    images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last, no copy
-                if batch == total - 1:
-                    last = count - batch * self.batch_size
-                    if last < images.shape[0]:
-                        images, labels = images[:last], labels[:last]  # padding: a view, no copy
+            while True:
+                _, count = current.spans[current.span]
+                total = math.ceil(count / self.batch_size)
+                whole = current.rest is None  # else the epoch goes on in the pipeline of its rest
+                if total == 0 and whole:
                     self._epoch_read(current, early)
-                yield [images, labels]
+                for batch in range(total):
+                    try:
+                        out = next(current.source)[0]
+                    except StopIteration:  # not expected: the reader holds every batch of its epochs
+                        break
+                    current.read += 1
+                    images, labels = out["images"], out["labels"]
+                    if self.channels_last:
+                        images = images.permute(0, 3, 1, 2)  # NHWC memory seen as NCHW: channels_last, no copy
+                    if batch == total - 1 and whole:
+                        last = count - batch * self.batch_size
+                        if last < images.shape[0]:
+                            images, labels = images[:last], labels[:last]  # padding: a view, no copy
+                        self._epoch_read(current, early)
+                    yield [images, labels]
+                if whole:
+                    return
+                rest = current.rest.result()  # built meanwhile; a data error of its first batches is raised here
+                current.source, current.rest = None, None
+                current = rest
         except RuntimeError as err:
             raise _named_error(err, self._window(current.indices, current.read), self.threads) from None
         finally:
@@ -379,7 +413,8 @@ class _Pass:
     """A pipeline (behind DALI's iterator), the samples it reads in order, and where it is in them.
 
     ``spans`` are the ``(epoch, samples)`` of the epochs it reads (one span for evaluation), ``span``
-    the one it reads next, ``read`` the batches handed over so far, ``seed`` the sampler's seed.
+    the one it reads next, ``read`` the batches handed over so far, ``seed`` the sampler's seed;
+    ``rest``, for the first part of an epoch, the pipeline of the rest of it, being built.
     """
 
     def __init__(self, source: Any, indices: np.ndarray, spans: list[tuple[int, int]], seed: int | None) -> None:
@@ -389,6 +424,18 @@ class _Pass:
         self.span = 0
         self.read = 0
         self.seed = seed
+        self.rest: Future[_Pass] | None = None
+
+
+def _padded(epochs: list[tuple[int, np.ndarray, np.ndarray]], batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indices and seeds of ``epochs`` one after the other, each padded to whole batches with its last sample."""
+    indices, seeds = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.uint64)]
+    for _, order, drawn in epochs:
+        if len(order):
+            short = -len(order) % batch_size
+            indices += [order, np.repeat(order[-1:], short)]
+            seeds += [drawn, np.repeat(drawn[-1:], short)]
+    return np.concatenate(indices), np.concatenate(seeds)
 
 
 def _next_pass(sampler: Sampler) -> tuple[np.ndarray, np.ndarray]:
