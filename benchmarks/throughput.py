@@ -26,8 +26,7 @@ memory is the largest ``torch.cuda.max_memory_allocated`` of that epoch (memory 
 for itself is not counted there). ``model-alone`` and ``loop`` run on one device; ``--devices 1 2``
 runs every ``fit`` row on 1 and on 2 GPUs (DDP). The ratio column divides each row's images/s by
 the ``model-alone`` images/s of the same architecture. ``--compile`` compiles the network in
-``model-alone`` and in every ``fit`` row (``--compile cudagraphs``: replayed as CUDA graphs). The
-table is printed and written to ``OUT/throughput.json``
+``model-alone`` and in every ``fit`` row. The table is printed and written to ``OUT/throughput.json``
 (with the hardware and versions) and ``OUT/throughput.png``.
 
     python benchmarks/throughput.py --out runs/throughput --devices 1 2
@@ -84,9 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, nargs="+", default=[1], help="GPU counts of the fit rows (DDP if > 1)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["model-alone", "fit-synthetic", "loop"],
                         help="leave out these rows (model-alone is needed for the ratios)")  # fmt: skip
-    parser.add_argument("--compile", nargs="?", const="default", default=None, choices=["default", "cudagraphs"],
-                        help="torch.compile the network (model-alone, fit rows): default, or cudagraphs (its passes "
-                             "replayed as CUDA graphs, torch.compile's reduce-overhead)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="torch.compile the network (model-alone, fit rows)")
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
                         help="run each row on the first N CPUs per GPU it uses, of those the script may use "
                              "(default: all of them)")  # fmt: skip
@@ -151,7 +148,7 @@ def _training_parts(arch: str, args: argparse.Namespace, device: torch.device) -
 
     model = build_model(arch, args.num_classes).to(device, memory_format=torch.channels_last).train()
     if args.compile:
-        model.compile(mode="reduce-overhead" if args.compile == "cudagraphs" else None)
+        model.compile()
     cuda = device.type == "cuda"
     optimizer = torch.optim.SGD(
         model.parameters(), lr=scaled_lr(LR_PER_256, args.batch_size), momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
@@ -312,7 +309,7 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
     if devices > 1:
         cmd += ["--trainer.strategy", "ddp"]
     if args.compile:
-        cmd += ["--model.compile", args.compile]
+        cmd += ["--model.compile", "true"]
     if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
     return cmd

@@ -58,16 +58,12 @@ class ImageClassifier(pl.LightningModule):
         class_names: Class names in label order; the command line takes them from the data and
             they are stored in checkpoints.
         compile: Compile the network with ``torch.compile`` (in place, ``nn.Module.compile``: the
-            parameter names, and so the checkpoints, are those of the plain network). ``false``: eager.
-            ``true`` (or ``default``): compiled. ``cudagraphs``: compiled, and its forward and backward
-            passes replayed as CUDA graphs (torch.compile's ``reduce-overhead``), which launch each
-            pass's kernels at once; the optimizer step and the learning rate stay outside the graphs.
-            Where a mode cannot run (CUDA graphs off CUDA, under DDP or with gradient accumulation;
-            any compilation with apex AMP), the run says so in one line and takes the next one down.
-            The first steps take longer while it compiles (the time is logged), and inductor's caches
-            go to ``compile_cache`` under the run's root, where a restart finds them. Shapes are kept
-            static: a batch of another size (an epoch's short last batch, validation) gets a graph of its
-            own, where by default it would turn the training graph into one for any batch size.
+            parameter names, and so the checkpoints, are those of the plain network). With apex AMP the
+            run says in one line that it stays eager. The first steps take longer while it compiles (the
+            time is logged), and inductor's caches go to ``compile_cache`` under the run's root, where a
+            restart finds them. Shapes are kept static: a batch of another size (an epoch's short last
+            batch, validation) gets a graph of its own, where by default it would turn the training graph
+            into one for any batch size.
         fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
             same pass. ``None``: on when the parameters are on a CUDA device and the precision is
             Lightning's own (not apex AMP, which manages the optimizer itself).
@@ -89,7 +85,7 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
-        compile: bool | Literal["default", "cudagraphs"] = False,
+        compile: bool = False,
         fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
@@ -145,35 +141,17 @@ class ImageClassifier(pl.LightningModule):
         if use:
             self.model.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
-            mode, reason = self._compile_mode()
-            if reason:
-                rank_zero_info(f"Compile: {mode or 'eager'} ({reason}).")
-            if mode is not None:
-                root = self.trainer.default_root_dir if attached_trainer(self) is not None else None
-                if root is not None:
-                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "compile_cache"))
-                self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
+            trainer = attached_trainer(self)
+            if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
+                rank_zero_info("Compile: eager (--model.compile true asked for; apex AMP patches functions that "
+                               "torch.compile traces).")  # fmt: skip
+            else:
+                if trainer is not None:
+                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(trainer.default_root_dir,
+                                                                                  "compile_cache"))  # fmt: skip
+                self.model.compile(dynamic=False)
                 self._compile_clock = 0.0  # started by the first training batch
             self._compiled = True
-
-    def _compile_mode(self) -> tuple[str | None, str | None]:
-        """The compilation this run can have of the one asked for (``compile``), and why not the one asked for."""
-        asked = "default" if self.hparams.compile in (True, "default") else str(self.hparams.compile)
-        trainer = attached_trainer(self)
-        if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
-            return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
-        if asked != "cudagraphs":
-            return asked, None
-        device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
-        if device.type != "cuda":
-            return "default", "CUDA graphs need a CUDA device"
-        if trainer is None:
-            return "cudagraphs", None
-        if trainer.world_size > 1:
-            return "default", "under DDP the gradients' all-reduce runs between the backward pass's pieces"
-        if trainer.accumulate_grad_batches > 1:
-            return "default", "gradients accumulated over the replays of one graph would be overwritten"
-        return "cudagraphs", None
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Parameters of the classifier head (the network's final ``nn.Linear``)."""
