@@ -21,6 +21,9 @@ From Python, the pieces the command line puts together::
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -29,7 +32,6 @@ from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callback
 from lit_imagenet.callbacks.console import LearningRateLog, Throughput
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
-from lit_imagenet.data.synthetic import make_shapes
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
 
@@ -99,19 +101,50 @@ class _MovedModule(types.ModuleType):
         raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
 
-def _register_moved_modules() -> None:
-    package = sys.modules[__name__]
-    for old, new in _MOVED_MODULES.items():
-        targets = [importlib.import_module(f"{__name__}.{path}") for path in new]
-        module = targets[0] if len(targets) == 1 else _MovedModule(f"{__name__}.{old}", targets)
-        sys.modules.setdefault(f"{__name__}.{old}", module)
-        setattr(package, old, sys.modules[f"{__name__}.{old}"])
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path when it is first named, as the module (or modules) that hold its names now.
+
+    Nothing is imported before: ``import lit_imagenet`` loads only what its own names need, and
+    ``python -m lit_imagenet.data.synthetic`` finds its module not yet imported.
+    """
+
+    def __init__(self) -> None:
+        self._specs: dict[str, importlib.machinery.ModuleSpec | None] = {}
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        package, _, old = fullname.partition(".")
+        if package != __name__ or old not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        old = spec.name.partition(".")[2]
+        targets = [importlib.import_module(f"{__name__}.{path}") for path in _MOVED_MODULES[old]]
+        if len(targets) > 1:
+            return _MovedModule(spec.name, targets)
+        self._specs[targets[0].__name__] = targets[0].__spec__
+        return targets[0]
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the names are those of the modules it stands for. A module that now lives under
+        another name keeps its own ``__spec__``, which the import system set to the old name's."""
+        if module.__name__ in self._specs:
+            module.__spec__ = self._specs[module.__name__]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "make_shapes":
+        from lit_imagenet.data.synthetic import make_shapes
+
+        return make_shapes
     if name in _MOVED_NAMES:
         return getattr(importlib.import_module(f"{__name__}.{_MOVED_NAMES[name]}"), name)
+    if name in _MOVED_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_register_moved_modules()
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

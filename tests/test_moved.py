@@ -6,6 +6,8 @@ directly in ``lit_imagenet/``.
 """
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,31 @@ def test_the_old_module_names_are_modules_of_the_package() -> None:
     assert lit_imagenet.monitoring is monitoring
     with pytest.raises(AttributeError, match="lit_imagenet.monitoring.*NoSuchThing"):
         monitoring.NoSuchThing  # noqa: B018
+
+
+def test_an_old_module_path_leaves_the_new_module_its_own_name() -> None:
+    old = importlib.import_module("lit_imagenet.schedule")
+    new = importlib.import_module("lit_imagenet.training.schedule")
+
+    assert old is new and new.__spec__.name == new.__name__ == "lit_imagenet.training.schedule"
+
+
+def test_the_package_imports_no_moved_module_until_one_is_named(tmp_path: Path) -> None:
+    code = (
+        "import sys, lit_imagenet; "
+        "early = {'lit_imagenet.data.synthetic', 'lit_imagenet.monitoring'} & set(sys.modules); "
+        "assert not early, early; "
+        "import lit_imagenet.synthetic; assert 'lit_imagenet.data.synthetic' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    # So the shapes generator runs as a module with no warning that it was imported twice.
+    run = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "lit_imagenet.data.synthetic", str(tmp_path / "s"),
+         "--train_per_class", "1", "--val_per_class", "1", "--width", "8", "--height", "8", "--num_classes", "2"],
+        capture_output=True, text=True, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    assert run.returncode == 0 and "RuntimeWarning" not in run.stderr, run.stderr
+    assert len(list((tmp_path / "s").rglob("*.jpg"))) == 4
 
 
 def test_a_run_of_the_flat_layout_resumes_from_its_config_and_checkpoint(tmp_path: Path) -> None:
