@@ -1,10 +1,11 @@
-"""Every private attribute of Lightning (and torchmetrics) that the package reads, each behind one function.
+"""Every private attribute of Lightning (and torchmetrics, torch) that the package reads, each behind one function.
 
 Some things the package needs have no public API: whether Lightning writes its step logs after
 the current batch, the step it writes them at, whether the batch only accumulates gradients, the
-last file a ``ModelCheckpoint`` wrote. They are read here and nowhere else, so that an upgrade
-that renames one breaks one function, and ``tests/test_compat.py`` says which. A missing attribute
-raises ``LightningCompatError`` naming it and the installed and tested versions.
+last file a ``ModelCheckpoint`` wrote, how to stop a ``DataLoader`` iterator's workers. They are
+read here and nowhere else, so that an upgrade that renames one breaks one function, and
+``tests/test_compat.py`` says which. A missing attribute raises ``LightningCompatError`` naming it
+and the installed and tested versions.
 
 A subclass that overrides a private hook (``DDPStrategy._setup_model``) marks it with
 ``overrides_private``, and the tests check that the hook still exists: a hook that Lightning no
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytorch_lightning as pl
+import torch
 import torchmetrics
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
@@ -44,7 +46,8 @@ def _private(obj: Any, name: str, owner: str, package: str = "pytorch-lightning"
         return getattr(obj, name)
     except AttributeError:
         lightning = package == "pytorch-lightning"
-        version = pl.__version__ if lightning else torchmetrics.__version__
+        versions = {"pytorch-lightning": pl.__version__, "torch": torch.__version__}
+        version = versions.get(package, torchmetrics.__version__)
         tested = f"; it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}" if lightning else ""
         raise LightningCompatError(
             f"{package} {version} has no {owner}.{name}, which lit_imagenet reads (lit_imagenet/compat.py){tested}."
@@ -188,3 +191,12 @@ def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
             setattr(counts, name, int(_private(counts, name, "_ReadyCompletedTracker")) + batches)
+
+
+def stop_workers(iterator: Any) -> None:
+    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would.
+
+    Lightning reads an evaluation pass's batches by count and never asks the iterator for one more, so
+    workers that are not persistent would otherwise live until the next pass replaces the iterator.
+    """
+    _private(iterator, "_shutdown_workers", "_MultiProcessingDataLoaderIter", package="torch")()

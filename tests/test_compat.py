@@ -5,6 +5,7 @@ A failure here after an upgrade names the attribute that went away (``LightningC
 
 import configparser
 import csv
+import multiprocessing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -232,3 +233,16 @@ def test_epoch_batches_done_and_shift_epoch_batches(tmp_path: Path) -> None:
     trainer.fit(Tiny())
     assert (shift.before, shift.after) == (2, 5)  # batches 0 and 1 processed, then 3 more
     assert trainer.global_step == 8 - 3  # the epoch of 8 batches ended 3 batches early
+
+
+def test_stop_workers_ends_the_worker_processes_of_an_unfinished_iterator() -> None:
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, num_workers=2)
+    batches = iter(loader)
+    next(batches)
+    assert len(multiprocessing.active_children()) == 2
+    compat.stop_workers(batches)
+    assert not multiprocessing.active_children()
+    with pytest.raises(
+        compat.LightningCompatError, match=r"torch .* no _MultiProcessingDataLoaderIter\._shutdown_workers"
+    ):
+        compat.stop_workers(object())

@@ -1,7 +1,9 @@
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
 import pytest
+import pytorch_lightning as pl
 import torch
 from PIL import Image
 
@@ -10,6 +12,7 @@ from lit_imagenet.data.datasets import collate_uint8
 from lit_imagenet.data.images import load_rgb, load_rgb_tensor
 from lit_imagenet.data.samplers import UnpaddedDistributedSampler
 from lit_imagenet.errors import DataError
+from lit_imagenet.training.module import ImageClassifier
 
 
 def reference_fast_collate(batch, memory_format):
@@ -298,3 +301,44 @@ def test_every_decoder_cuts_the_crop_and_flip_of_the_crop_rule(shapes_root: Path
     anchor, shape, mirror = source(0)
     dali = [((int(y), int(x), int(h), int(w)), bool(m)) for (x, y), (w, h), m in zip(anchor, shape, mirror)]
     assert dali == [(tuple(box), flip) for box, flip in rule]
+
+
+def _loader_workers() -> list[multiprocessing.process.BaseProcess]:
+    return [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_evaluation_workers_stop_at_the_last_batch_unless_persistent(shapes_root: Path, persistent: bool) -> None:
+    """Lightning reads a pass by count and never asks for one batch more: the loader must stop its workers itself."""
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=2, crop_size=16, val_resize=18,
+                               persistent_eval_workers=persistent)  # fmt: skip
+    loader = dm.val_dataloader()
+    assert not _loader_workers()
+    batches = iter(loader)
+    read = [next(batches) for _ in range(len(loader))]  # 15 images: 4 batches, the iterator not run out
+    assert len(_loader_workers()) == (2 if persistent else 0)
+    again = list(loader)  # and the next pass reads the same batches
+    assert len(read) == len(again) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(read, again))
+    del batches, loader
+
+
+@pytest.mark.parametrize("limit_val_batches", [1.0, 1])
+def test_training_runs_without_the_evaluation_workers_by_default(
+    shapes_root: Path, tmp_path: Path, limit_val_batches: float
+) -> None:
+    """After the sanity check and each validation, whole or cut short, training runs with its own workers alone."""
+    counted: list[int] = []
+
+    class CountWorkers(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: object) -> None:
+            counted.append(len(_loader_workers()))
+
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=8, workers=2, crop_size=16, val_resize=18)
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.01, warmup_epochs=0, milestones=[])
+    trainer = pl.Trainer(max_epochs=2, limit_train_batches=2, limit_val_batches=limit_val_batches, accelerator="cpu",
+                         num_sanity_val_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[CountWorkers()], default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(model, dm)
+    assert counted == [2, 2, 2, 2]  # the sanity check's and epoch 0's validation workers stopped

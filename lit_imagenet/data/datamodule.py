@@ -123,8 +123,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         dali_threads: With ``decoder: dali``, the pipeline's CPU threads, which read the files. ``None``: half
             the CPU cores this process has a share of (its cores over the processes of its node), 2 to 8.
         persistent_eval_workers: Keep the loader workers of validation, testing and prediction
-            between passes. ``False`` starts them at each pass, as the reference did: they then hold
-            no host memory while training runs, and each validation waits for them to start.
+            between passes. ``False``: each pass starts them and stops them once it has its last batch,
+            as the reference does, so that they hold no host memory while training runs.
     """
 
     def __init__(
@@ -147,7 +147,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         index: bool = True,
         index_dir: str | None = None,
         dali_threads: int | None = None,
-        persistent_eval_workers: bool = True,
+        persistent_eval_workers: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:

@@ -27,6 +27,7 @@ from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lit_imagenet.compat import stop_workers
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.data.samplers import moves_by_epoch
 
@@ -173,6 +174,18 @@ class PrefetchLoader(DataLoader):
         self.std = tuple(std)
         self.decode_ahead = decode_ahead
         self._next_epoch: tuple[int, Iterator[Any]] | None = None
+        self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
+
+    def stop_workers(self) -> None:
+        """Stops the worker processes of the pass under way, unless they are persistent; the next pass starts others.
+
+        A pass stops them itself once it has its last batch; this is for a pass that ends earlier
+        (``--trainer.limit_val_batches``, the sanity check): ``CUDAPrefetch`` calls it at each
+        evaluation's end.
+        """
+        source, self._pass_workers = self._pass_workers, None
+        if source is not None:
+            stop_workers(source)
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with.
@@ -198,21 +211,28 @@ class PrefetchLoader(DataLoader):
         self._next_epoch = (epoch, super().__iter__())
 
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
-        """Yields the epoch's batches; on its last one, starts the workers on the next epoch.
+        """Yields the pass's batches; on its last one, starts the workers on the next epoch or stops them.
 
-        Lightning stops asking once it has the epoch's last batch, so the workers would otherwise
-        sit idle through validation and checkpointing and start the next epoch only when asked, with
-        the GPU waiting for its first batches. Started here, they decode during that time instead.
+        Lightning stops asking once it has the pass's last batch (it counts them), so the loader's
+        iterator never runs out by itself. Persistent training workers would sit idle through
+        validation and checkpointing and start the next epoch only when asked, with the GPU waiting
+        for its first batches: started here, they decode during that time instead. Workers that are not
+        persistent (evaluation's, by default) would live on, holding their memory, until the next pass
+        replaced the iterator: they are stopped here, once the last batch is in hand.
         """
         early = self._starts_next_epoch_early()
-        total = len(self) if early else -1
+        stops = not self.persistent_workers and self.num_workers > 0
+        total = len(self) if early or stops else -1
         count = 0
         for batch in source:
             count += 1
             if count == total:
-                # The loader's iterator is the persistent one: once it is moved on to the next epoch,
-                # this pass must not ask it for more.
-                self._start_next_epoch()
+                if early:
+                    # The loader's iterator is the persistent one: once it is moved on to the next
+                    # epoch, this pass must not ask it for more.
+                    self._start_next_epoch()
+                else:
+                    self.stop_workers()
                 yield batch
                 return
             yield batch
@@ -225,6 +245,9 @@ class PrefetchLoader(DataLoader):
             source = early[1]  # started when the last epoch ran out, for the epoch asked for now
         else:
             source = super().__iter__()
+        if not self.persistent_workers and self.num_workers > 0:
+            self.stop_workers()  # a pass left unfinished
+            self._pass_workers = source
         source = self._epoch(source)
         if self.device is None or self.device.type != "cuda":
             return source
@@ -239,6 +262,11 @@ class CUDAPrefetch(pl.Callback):
     copies and normalises each batch on a side stream, one step ahead. On other devices nothing
     changes and the model normalises the uint8 batches itself. A data module takes part by having a
     ``prefetch_device`` attribute.
+
+    At the end of each validation, test and prediction it stops the worker processes of that pass
+    (``PrefetchLoader.stop_workers``) unless they are persistent, also when the pass read fewer
+    batches than its loader has (the sanity check, ``limit_val_batches``): training then runs with
+    its own workers alone.
 
     ``ImageClassifier`` attaches it (``configure_callbacks``), so a plain ``Trainer().fit(model, data)``
     prefetches; on the command line ``--prefetch.enabled`` configures that one. A ``CUDAPrefetch`` given
@@ -258,6 +286,26 @@ class CUDAPrefetch(pl.Callback):
             return
         device = trainer.strategy.root_device
         datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
+
+    @classmethod
+    def _stop_workers(cls, loaders: Any) -> None:
+        if isinstance(loaders, PrefetchLoader):
+            loaders.stop_workers()
+        elif isinstance(loaders, (list, tuple, dict)):
+            for loader in loaders.values() if isinstance(loaders, dict) else loaders:
+                cls._stop_workers(loader)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_workers(trainer.val_dataloaders)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_workers(trainer.test_dataloaders)
+
+    @override
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._stop_workers(trainer.predict_dataloaders)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
