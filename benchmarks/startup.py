@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = re.compile(r"^Epoch \d+ \[(\d+)/\d+\] step (\d+)")
+OURS = re.compile(r"^Epoch \d+ \[\d+/\d+\] step (\d+)")
 REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
 _MARKER = ".links.json"
 
@@ -128,8 +128,11 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         lines.append(f"{now:8.2f} {line}")
         match = pattern.search(line)
         if match:
-            seen[int(match.group(1))] = now
-            if int(match.group(1)) >= steps:
+            # Ours: the global step, which goes on across epochs; the reference's: the batch of its first
+            # epoch (5,005 batches of 256 at ImageNet's size).
+            step = int(match.group(1))
+            seen[step] = now
+            if step >= steps:
                 break
     killer.cancel()
     timed_out = proc.poll() is None and not seen.get(steps)

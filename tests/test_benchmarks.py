@@ -255,3 +255,21 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
+
+
+def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> None:
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from startup import OURS, run
+    finally:
+        sys.path.pop(0)
+    lines = [
+        "Epoch 0 [1/2] step 1 | x",
+        "Epoch 0 [2/2] step 2 | x",
+        "Epoch 1 [1/2] step 3 | x",
+        "Epoch 1 [2/2] step 4 | x",
+    ]
+    code = f"import time\nfor line in {lines!r}:\n    print(line, flush=True)\n    time.sleep(0.2)\ntime.sleep(30)"
+    row = run("two epochs", [sys.executable, "-c", code], tmp_path, 4, OURS, 8, 20, dict(os.environ), steady_from=2)
+    assert row["first_step"] == 1 and not row["timed_out"]
+    assert 8 * 2 / 0.6 < row["images_per_sec"] < 8 * 2 / 0.3  # steps 2 to 4, 0.4 s apart; stopped at step 4
