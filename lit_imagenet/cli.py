@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -170,6 +171,15 @@ class ImageNetCLI(LightningCLI):
                 print(f"Resuming from {config['ckpt_path']}", flush=True)
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        given = sys.argv[1:] if args is None else args
+        if isinstance(given, (list, tuple)):
+            problem = linked_model_argument(list(given))
+            if problem:
+                raise ConfigError(problem)
+        super().parse_arguments(parser, args)
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self._section(self.config)
         _log_into_root_dir(config.get("trainer"))
@@ -273,6 +283,53 @@ def _user_message(err: BaseException) -> str:
         prefix = f"{type(err).__module__}.{type(err).__qualname__}: "
         text = last.removeprefix(prefix)
     return text
+
+
+# The model's arguments that the data sets (ImageNetCLI.add_arguments_to_parser), and where they come from.
+_LINKED = {
+    "num_classes": "the data's classes (the class folders, or --ckpt_path's classes with no training data); remove it",
+    "class_names": "the data's classes (the class folders, or --ckpt_path's classes with no training data); remove it",
+    "channels_last": "data.channels_last (the batches and the network share one memory format); set that instead",
+}
+
+
+def _yaml_mapping(value: str) -> dict[str, Any] | None:
+    """A config argument's mapping: the file's, or the YAML text's itself; ``None`` if neither is one."""
+    try:
+        text = Path(value).read_text() if Path(value).is_file() else value
+        loaded = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def linked_model_argument(args: list[str]) -> str | None:
+    """The sentence for a value given to a model argument that the data sets, or ``None`` if none is given.
+
+    Such a value would be lost: jsonargparse drops a link's target from a config file without a word,
+    and names the link in an error given on the command line.
+
+    Args:
+        args: The command line after the program's name.
+    """
+    for i, arg in enumerate(args):
+        key, eq, value = arg.partition("=")
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        where: dict[str, Any] | None = None
+        if key.startswith("--model.") and key[len("--model.") :] in _LINKED:
+            name = key[len("--model.") :]
+            return f"--model.{name} is set from {_LINKED[name]}."
+        if key in ("--config", "-c"):
+            where = (_yaml_mapping(value) or {}).get("model")
+        elif key == "--model":
+            where = _yaml_mapping(value)
+        if isinstance(where, dict):
+            for name in _LINKED:
+                if name in where:
+                    source = value if Path(value).is_file() else "the config given"
+                    return f"model.{name} in {source} is set from {_LINKED[name]}."
+    return None
 
 
 def main(

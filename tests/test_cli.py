@@ -204,3 +204,27 @@ def test_the_cli_keeps_the_model_config_per_instance() -> None:
     from lit_imagenet.cli import ImageNetCLI
 
     assert "_model_config" not in vars(ImageNetCLI)  # no class attribute that two command lines would share
+
+
+@pytest.mark.parametrize(
+    "given, said",
+    [
+        (["--model.channels_last", "false"], "--model.channels_last is set from data.channels_last"),
+        (["--model.num_classes=5"], "--model.num_classes is set from the data's classes"),
+        (["--config", "FILE"], "model.channels_last in FILE is set from data.channels_last"),
+        (["--model", "FILE"], "model.channels_last in FILE is set from data.channels_last"),
+        (["--config", "{model: {class_names: [a, b]}}"], "model.class_names in the config given is set from the data"),
+    ],
+)
+def test_a_model_argument_that_the_data_sets_is_refused_in_one_line(
+    given: list[str], said: str, shapes_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Without the check jsonargparse drops such a value from a config file without a word."""
+    config = tmp_path / "model.yaml"
+    config.write_text("model:\n  channels_last: false\n" if given[0] == "--config" else "channels_last: false\n")
+    given = [str(config) if a == "FILE" else a for a in given]
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "configs/demo.yaml"), "--data.root", str(shapes_root), *given])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: " + said.replace("FILE", str(config))), err
