@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - began:.0f} s", flush=True)  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     batch = 4 if args.smoke else 256
+    if "--data.batch_size" in args.extra[:-1]:  # images/s counts the batches given to train.py
+        batch = int(args.extra[args.extra.index("--data.batch_size") + 1])
     common = ["--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false", "--curves.enabled", "false"]
     if args.smoke:
         common += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--model.arch", "resnet18",
