@@ -15,9 +15,10 @@ For each run it reports the seconds from launch to the first logged step (the li
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
 ``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
 worker, read from ``/proc/PID/smaps_rollup`` every half second). The table is printed and written
-to ``OUT/startup.json``, after two rows that time the interpreter's imports alone (``torch`` and
-``torchvision``, what the reference imports; ``lit_imagenet.cli``, what ``train.py`` imports): the part
-of a start that no data path can shorten. Caches are left warm: the tree was just built or used.
+to ``OUT/startup.json``, after rows that time the interpreter's imports alone (``torch`` and
+``torchvision``, what the reference imports; pytorch-lightning, torchmetrics and jsonargparse, each
+alone; ``lit_imagenet.cli``, what ``train.py`` imports, also split by package from ``python -X
+importtime``): the part of a start that no data path can shorten. Caches are left warm: the tree was just built or used.
 
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
@@ -43,6 +44,35 @@ REPO = Path(__file__).resolve().parents[1]
 OURS = re.compile(r"^Epoch \d+ \[\d+/\d+\] step (\d+)")
 REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
 _MARKER = ".links.json"
+
+
+# What the reference imports, what train.py imports, and the libraries between the two.
+IMPORTS = (
+    ("imports: torch, torchvision", "import torch, torchvision"),
+    ("imports: pytorch_lightning", "import pytorch_lightning"),
+    ("imports: torchmetrics", "import torchmetrics"),
+    ("imports: jsonargparse", "import jsonargparse"),
+    ("imports: lit_imagenet.cli", "import lit_imagenet.cli"),
+)
+
+
+def import_seconds_by_package(importtime: str, top: int = 15) -> dict[str, float]:
+    """The seconds each top-level package's own modules took to import, from ``python -X importtime``'s report.
+
+    Each module's own time (without the modules it imported) is added to its top-level package, so that
+    the figures add up to the whole import; the ``top`` largest are kept, the rest summed as ``other``.
+    """
+    totals: dict[str, float] = {}
+    for line in importtime.splitlines():
+        match = re.match(r"import time:\s+(\d+) \|\s+\d+ \|\s*(\S+)", line)
+        if match:
+            package = match.group(2).split(".")[0]
+            totals[package] = totals.get(package, 0.0) + int(match.group(1)) / 1e6
+    ranked = sorted(totals.items(), key=lambda item: -item[1])
+    kept = {name: round(seconds, 3) for name, seconds in ranked[:top]}
+    if len(ranked) > top:
+        kept["other"] = round(sum(seconds for _, seconds in ranked[top:]), 3)
+    return kept
 
 
 def build_tree(out: Path, sources: list[Path], train: int, val: int, classes: int) -> Path:
@@ -210,12 +240,14 @@ def main(argv: list[str] | None = None) -> int:
                    "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
                    "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
     rows = []
-    for what, code in (("imports: torch, torchvision", "import torch, torchvision"),
-                       ("imports: lit_imagenet.cli", "import lit_imagenet.cli")):  # fmt: skip
+    for what, code in IMPORTS:
         began = time.monotonic()
         subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True)
         rows.append({"run": what, "seconds_to_first_step": None, "seconds": round(time.monotonic() - began, 2)})
         print(json.dumps(rows[-1]), flush=True)
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-c", "import lit_imagenet.cli"], cwd=REPO, env=env,
+                           check=True, capture_output=True, text=True)  # fmt: skip
+    by_package = import_seconds_by_package(timed.stderr)
     if args.reference is not None:
         cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
@@ -242,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     report = {"tree": {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)},
-              "machine": machine, "rows": rows}  # fmt: skip
+              "machine": machine, "rows": rows, "import_seconds_by_package": by_package}  # fmt: skip
     (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'run':<28} {'first step (s)':>15} {'images/s':>10} {'peak PSS (GiB)':>15}")
     for row in rows:
@@ -252,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         first = f"{row['seconds_to_first_step']:.1f}" if row["seconds_to_first_step"] is not None else "-"
         rate = f"{row['images_per_sec']:,}" if "images_per_sec" in row else "-"
         print(f"{row['run']:<28} {first:>15} {rate:>10} {row['peak_pss_gib']:>15.2f}")
+    print("\nimport lit_imagenet.cli, seconds by package: "
+          + ", ".join(f"{name} {seconds:.2f}" for name, seconds in by_package.items()))  # fmt: skip
     print(f"\nReport: {args.out / 'startup.json'}")
     return int(any(row["seconds_to_first_step"] is None for row in rows if "seconds" not in row))
 
