@@ -17,6 +17,7 @@ the command line starts with one warning line (``untested_version_warning``).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -200,3 +201,23 @@ def stop_workers(iterator: Any) -> None:
     workers that are not persistent would otherwise live until the next pass replaces the iterator.
     """
     _private(iterator, "_shutdown_workers", "_MultiProcessingDataLoaderIter", package="torch")()
+
+
+def user_inductor_cache_dir() -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it; ``None`` when unset or holding inductor's own default.
+
+    Importing torch's compiler modules (as torchvision and Lightning do) writes inductor's default
+    folder into the variable, so a value equal to that default is taken as not chosen.
+    """
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if value is None:
+        return None
+    try:
+        from torch._inductor.runtime import cache_dir_utils
+    except ImportError:
+        raise LightningCompatError(
+            f"torch {torch.__version__} has no torch._inductor.runtime.cache_dir_utils, which lit_imagenet reads "
+            "(lit_imagenet/compat.py)."
+        ) from None
+    default = _private(cache_dir_utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
+    return None if os.path.abspath(value) == os.path.abspath(default) else value

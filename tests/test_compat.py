@@ -246,3 +246,14 @@ def test_stop_workers_ends_the_worker_processes_of_an_unfinished_iterator() -> N
         compat.LightningCompatError, match=r"torch .* no _MultiProcessingDataLoaderIter\._shutdown_workers"
     ):
         compat.stop_workers(object())
+
+
+def test_user_inductor_cache_dir_tells_a_choice_from_inductors_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert compat.user_inductor_cache_dir() is None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert compat.user_inductor_cache_dir() == "/somewhere/else"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert compat.user_inductor_cache_dir() is None

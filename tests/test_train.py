@@ -1,6 +1,8 @@
 import math
+import os
 from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -94,6 +96,25 @@ def test_compile_keeps_parameter_names(tmp_path: Path) -> None:
     assert compiled.model._compiled_call_impl is not None
     assert list(compiled.state_dict()) == list(plain.state_dict())
     plain.load_state_dict(compiled.state_dict())
+
+
+@pytest.mark.parametrize("given", ["unset", "default", "chosen"])
+def test_compile_caches_go_under_the_run_root_unless_the_user_chose_a_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str
+) -> None:
+    """Importing torch's compiler writes inductor's default into TORCHINDUCTOR_CACHE_DIR: that is not a choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    values = {"unset": None, "default": default_cache_dir(), "chosen": str(tmp_path / "mine")}
+    if values[given] is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", values[given])
+    module = ImageClassifier("resnet18", num_classes=3, compile=True)
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    module.setup("fit")
+    expected = str(tmp_path / "mine") if given == "chosen" else str(tmp_path / "compile_cache")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
 
 
 def test_sgd_is_fused_only_where_it_can_be() -> None:

@@ -21,7 +21,13 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric, Metric, MetricCollection
 from typing_extensions import override
 
-from lit_imagenet.compat import attached_trainer, epoch_batches_done, metric_defaults, writes_log_line
+from lit_imagenet.compat import (
+    attached_trainer,
+    epoch_batches_done,
+    metric_defaults,
+    user_inductor_cache_dir,
+    writes_log_line,
+)
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.training import models, optim
@@ -61,9 +67,9 @@ class ImageClassifier(pl.LightningModule):
             parameter names, and so the checkpoints, are those of the plain network). With apex AMP the
             run says in one line that it stays eager. The first steps take longer while it compiles (the
             time is logged), and inductor's caches go to ``compile_cache`` under the run's root, where a
-            restart finds them. Shapes are kept static: a batch of another size (an epoch's short last
-            batch, validation) gets a graph of its own, where by default it would turn the training graph
-            into one for any batch size.
+            restart finds them, unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept
+            static: a batch of another size (an epoch's short last batch, validation) gets a graph of its
+            own, where by default it would turn the training graph into one for any batch size.
         fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
             same pass. ``None``: on when the parameters are on a CUDA device and the precision is
             Lightning's own (not apex AMP, which manages the optimizer itself).
@@ -146,9 +152,11 @@ class ImageClassifier(pl.LightningModule):
                 rank_zero_info("Compile: eager (--model.compile true asked for; apex AMP patches functions that "
                                "torch.compile traces).")  # fmt: skip
             else:
-                if trainer is not None:
-                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(trainer.default_root_dir,
-                                                                                  "compile_cache"))  # fmt: skip
+                if trainer is not None and user_inductor_cache_dir() is None:
+                    # Read by inductor when it compiles, and by its compile workers, started then.
+                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
+                        os.path.join(trainer.default_root_dir, "compile_cache")
+                    )
                 self.model.compile(dynamic=False)
                 self._compile_clock = 0.0  # started by the first training batch
             self._compiled = True
@@ -229,7 +237,8 @@ class ImageClassifier(pl.LightningModule):
         if self._compile_clock:
             sync_device(self)
             rank_zero_info(
-                f"Compiled the network and ran its first step in {time.perf_counter() - self._compile_clock:.1f} s."
+                f"Compiled the network and ran its first step in {time.perf_counter() - self._compile_clock:.1f} s "
+                f"(compiler caches: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})."
             )
             self._compile_clock = None
         if self._step_figures is None:
