@@ -9,7 +9,7 @@ The package's folders are its layers, each importing only from those below it
                        precision plugins, DDP strategies
     data/              from the folder to the batch: the scan and its index, decoding, crops,
                        samplers, datasets, nvJPEG, DALI, the prefetcher, the DataModule
-    compat, errors     Lightning's private attributes; the user's errors
+    compat, errors     private attributes of Lightning and torch; the user's errors
 
 From Python, the pieces the command line puts together::
 
