@@ -286,9 +286,10 @@ def _user_message(err: BaseException) -> str:
 
 
 # The model's arguments that the data sets (ImageNetCLI.add_arguments_to_parser), and where they come from.
+_FROM_CLASSES = "the data's classes (the class folders, or --ckpt_path's classes with no training data); remove it"
 _LINKED = {
-    "num_classes": "the data's classes (the class folders, or --ckpt_path's classes with no training data); remove it",
-    "class_names": "the data's classes (the class folders, or --ckpt_path's classes with no training data); remove it",
+    "num_classes": _FROM_CLASSES,
+    "class_names": _FROM_CLASSES,
     "channels_last": "data.channels_last (the batches and the network share one memory format); set that instead",
 }
 

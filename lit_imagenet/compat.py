@@ -17,6 +17,7 @@ the command line starts with one warning line (``untested_version_warning``).
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -213,11 +214,8 @@ def user_inductor_cache_dir() -> str | None:
     if value is None:
         return None
     try:
-        from torch._inductor.runtime import cache_dir_utils
+        utils: Any = importlib.import_module("torch._inductor.runtime.cache_dir_utils")
     except ImportError:
-        raise LightningCompatError(
-            f"torch {torch.__version__} has no torch._inductor.runtime.cache_dir_utils, which lit_imagenet reads "
-            "(lit_imagenet/compat.py)."
-        ) from None
-    default = _private(cache_dir_utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
+        utils = None  # named by the error below
+    default = _private(utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
     return None if os.path.abspath(value) == os.path.abspath(default) else value

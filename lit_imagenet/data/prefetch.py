@@ -200,6 +200,9 @@ class PrefetchLoader(DataLoader):
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])
 
+    def _stops_workers_with_each_pass(self) -> bool:
+        return not self.persistent_workers and self.num_workers > 0
+
     def _starts_next_epoch_early(self) -> bool:
         # Only a shuffling sampler that knows its epoch (a training sampler) is moved on, and only
         # persistent workers keep decoding between two iterations.
@@ -221,8 +224,7 @@ class PrefetchLoader(DataLoader):
         replaced the iterator: they are stopped here, once the last batch is in hand.
         """
         early = self._starts_next_epoch_early()
-        stops = not self.persistent_workers and self.num_workers > 0
-        total = len(self) if early or stops else -1
+        total = len(self) if early or self._stops_workers_with_each_pass() else -1
         count = 0
         for batch in source:
             count += 1
@@ -232,7 +234,9 @@ class PrefetchLoader(DataLoader):
                     # epoch, this pass must not ask it for more.
                     self._start_next_epoch()
                 else:
-                    self.stop_workers()
+                    stop_workers(source)
+                    if self._pass_workers is source:
+                        self._pass_workers = None
                 yield batch
                 return
             yield batch
@@ -245,7 +249,7 @@ class PrefetchLoader(DataLoader):
             source = early[1]  # started when the last epoch ran out, for the epoch asked for now
         else:
             source = super().__iter__()
-        if not self.persistent_workers and self.num_workers > 0:
+        if self._stops_workers_with_each_pass():
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
         source = self._epoch(source)
