@@ -136,7 +136,7 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
     if not loop.restarting:
         return trainer.current_epoch, 0
     epoch = max(loop.epoch_progress.current.started - 1, 0)
-    done = loop.epoch_loop.batch_progress.current.processed
+    done = compat.epoch_batches_done(trainer)
     if done >= batches_per_epoch:
         return epoch + 1, 0
     return epoch, done
