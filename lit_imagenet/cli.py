@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import signal
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +90,22 @@ class ImageNetCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), for the links below.
         self._model_config: dict[str, Any] = {}
+        given = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs).arguments.get("args")
+        #: The subcommand the command line starts with, the only one whose parser is built; ``None``: all.
+        self._requested = requested_subcommand(sys.argv[1:] if given is None else given, self.subcommands())
         super().__init__(*args, **kwargs)
+
+    @override
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        # Each subcommand's parser takes the signatures of every class again (a quarter of a second
+        # each on a fast core); a run needs only its own. Without one (--help), all four are built.
+        every = self.subcommands()
+        if self._requested is not None:
+            self.subcommands = lambda: {self._requested: every[self._requested]}  # type: ignore[method-assign]
+        try:
+            super()._add_subcommands(parser, **kwargs)
+        finally:
+            self.__dict__.pop("subcommands", None)
 
     def _from_data_or_model(self, key: str) -> Any:
         """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
@@ -302,6 +319,20 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
     except (OSError, ValueError, yaml.YAMLError):
         return None
     return loaded if isinstance(loaded, dict) else None
+
+
+def requested_subcommand(args: Any, subcommands: Iterable[str]) -> str | None:
+    """The subcommand that a command line starts with (``fit`` in ``fit --config x.yaml``), else ``None``.
+
+    Only the first argument counts: a later one may be an option's value.
+
+    Args:
+        args: The command line after the program's name (a list), or a config as a mapping.
+        subcommands: The subcommands' names.
+    """
+    if isinstance(args, (list, tuple)) and args and isinstance(args[0], str) and args[0] in set(subcommands):
+        return args[0]
+    return None
 
 
 def linked_model_argument(args: list[str]) -> str | None:

@@ -228,3 +228,38 @@ def test_a_model_argument_that_the_data_sets_is_refused_in_one_line(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: " + said.replace("FILE", str(config))), err
+
+
+def test_a_command_line_builds_only_its_own_subcommand_parser(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each subcommand's parser reads every class's signature again; a run needs only its own."""
+    from lit_imagenet.cli import ImageNetCLI, requested_subcommand
+    from lit_imagenet.data.datamodule import ImageFolderDataModule
+    from lit_imagenet.training.module import ImageClassifier
+
+    names = ["fit", "validate", "test", "predict"]
+    assert requested_subcommand(["validate", "--config", "x.yaml"], names) == "validate"
+    assert requested_subcommand(["--config", "test", "fit"], names) is None  # a value, not the subcommand
+    assert requested_subcommand(["--help"], names) is None and requested_subcommand([], names) is None
+    for subcommand in ("fit", "predict"):
+        with pytest.raises(SystemExit) as exc:
+            ImageNetCLI(ImageClassifier, ImageFolderDataModule, args=[subcommand, "--help"])
+        assert exc.value.code == 0
+        assert f"usage: {Path(sys.argv[0]).name} [options] {subcommand}" in capsys.readouterr().out
+    built: list[str] = []
+    real = ImageNetCLI._prepare_subcommand_parser
+
+    def spy(self, klass, subcommand, **kwargs):  # type: ignore[no-untyped-def]
+        built.append(subcommand)
+        return real(self, klass, subcommand, **kwargs)
+
+    monkeypatch.setattr(ImageNetCLI, "_prepare_subcommand_parser", spy)
+    for args, expected in ((["fit", "--help"], ["fit"]), (["--help"], names)):
+        built.clear()
+        with pytest.raises(SystemExit):
+            ImageNetCLI(ImageClassifier, ImageFolderDataModule, args=args)
+        assert built == expected
+    out = capsys.readouterr().out
+    assert all(name in out for name in names)  # the top-level help still lists every subcommand
+    assert "subcommands" not in vars(ImageNetCLI) and ImageNetCLI.subcommands().keys() == set(names)
