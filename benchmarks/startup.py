@@ -19,9 +19,16 @@ to ``OUT/startup.json``, after rows that time the interpreter's imports alone (`
 ``torchvision``, what the reference imports; pytorch-lightning, torchmetrics and jsonargparse, each
 alone; ``lit_imagenet.cli``, what ``train.py`` imports, also split by package from ``python -X
 importtime``): the part of a start that no data path can shorten. Caches are left warm: the tree was just built or used.
+Each run's record also holds the lines it printed before its first step, each with its second.
+
+With ``--lean`` the imports and a third start of each decoder (a restart) run again with only the
+package's requirements importable (``python -S`` over a folder of links to the installed files of
+``setup.cfg``'s requirements and theirs): what a virtual environment of its own gives, where the
+interpreter's environment holds other packages that an import probes for and loads.
 
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
+    python benchmarks/startup.py --out runs/su2 --no-imports --decoders auto --label compiled -- --model.compile true
     python benchmarks/startup.py --out /tmp/startup --smoke   # CPU, a tiny tree, well under a minute
 """
 
@@ -130,6 +137,79 @@ def tree_pss_gib(pid: int) -> float:
     return total / 2**20
 
 
+def requirement_closure(names: list[str]) -> list[Any]:
+    """The installed distributions of ``names`` and of everything they require (with the extras named)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    found: dict[str, Any] = {}
+    todo = [Requirement(name) for name in names]
+    while todo:
+        req = todo.pop()
+        key = req.name.lower().replace("_", "-")
+        if key in found:
+            continue
+        try:
+            dist = metadata.distribution(req.name)
+        except metadata.PackageNotFoundError:
+            continue  # not installed here: a run that needs it fails, and says so
+        found[key] = dist
+        for text in dist.requires or []:
+            sub = Requirement(text)
+            if sub.marker is None or any(sub.marker.evaluate({"extra": e}) for e in ["", *req.extras]):
+                todo.append(sub)
+    return list(found.values())
+
+
+def _link_into(target: Path, source: Path) -> None:
+    """Links ``source`` into the folder ``target``, merging folders that two distributions share (``nvidia/``)."""
+    place = target / source.name
+    if not place.exists() and not place.is_symlink():
+        place.symlink_to(source)
+        return
+    if place.is_symlink() and place.resolve() == source.resolve():
+        return
+    if place.is_symlink() and place.is_dir() and source.is_dir():
+        first = place.resolve()
+        place.unlink()
+        place.mkdir()
+        for child in first.iterdir():
+            _link_into(place, child)
+    if place.is_dir() and not place.is_symlink() and source.is_dir():
+        for child in source.iterdir():
+            _link_into(place, child)
+
+
+def lean_site(folder: Path, requirements: list[str]) -> Path:
+    """A folder of links to the installed files of ``requirements`` and their dependencies, and nothing else.
+
+    ``python -S`` with ``PYTHONPATH`` set to it sees what a virtual environment holding only the
+    package's requirements holds (no other package that an import might probe for and load).
+    """
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for dist in requirement_closure(requirements):
+        root = Path(dist.locate_file(""))
+        tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
+        for top in sorted(tops):
+            if (root / top).exists() and top != "__pycache__":
+                _link_into(folder, root / top)
+    return folder
+
+
+def install_requires() -> list[str]:
+    """The package's requirements, from ``setup.cfg``: names with their extras, without versions or markers."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    lines = config["options"]["install_requires"].strip().splitlines()
+    return [re.split(r"[<>=!~; ]", line.strip(), maxsplit=1)[0] for line in lines if line.strip()]
+
+
 def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int,
         timeout: float, env: dict[str, str], steady_from: int = 100) -> dict[str, Any]:  # fmt: skip
     """Runs ``cmd`` until its line of step ``steps`` (or its end, or ``timeout``): the first step's time, the
@@ -180,10 +260,20 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         "peak_pss_gib": round(peak[0], 2),
         "log": str(log),
         "timed_out": timed_out,
+        # Where the start goes: each line printed up to the first step, with its second.
+        "lines_before_first_step": [line[:160].rstrip() for line in lines[: _first_step_line(lines, pattern)]],
     }
     if steady_from in seen and steps in seen and steps > steady_from:
         row["images_per_sec"] = round((steps - steady_from) * images / (seen[steps] - seen[steady_from]))
     return row
+
+
+def _first_step_line(lines: list[str], pattern: re.Pattern[str]) -> int:
+    """The number of lines before the first step's, up to 60."""
+    for i, line in enumerate(lines[:60]):
+        if pattern.search(line[9:]):
+            return i + 1
+    return min(len(lines), 60)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,6 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=15, help="the reference's --workers (the recipe's 15)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is stopped")
     parser.add_argument("--label", default="", help="added to the names of this call's runs (e.g. for the extra)")
+    parser.add_argument("--no-imports", action="store_true", help="leave out the import rows (a second call)")
+    parser.add_argument("--lean", action="store_true",
+                        help="also the imports and each restart with only the requirements importable")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
     args = parser.parse_args(argv)
     full = {"tree": Path("/tmp/imagenet_links"), "sources": 25_602, "train": 1_281_167, "val": 50_000,
@@ -239,15 +332,27 @@ def main(argv: list[str] | None = None) -> int:
         common += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true", "--model.arch", "resnet18",
                    "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
                    "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
-    rows = []
-    for what, code in IMPORTS:
-        began = time.monotonic()
-        subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, check=True)
-        rows.append({"run": what, "seconds_to_first_step": None, "seconds": round(time.monotonic() - began, 2)})
-        print(json.dumps(rows[-1]), flush=True)
-    timed = subprocess.run([sys.executable, "-X", "importtime", "-c", "import lit_imagenet.cli"], cwd=REPO, env=env,
-                           check=True, capture_output=True, text=True)  # fmt: skip
-    by_package = import_seconds_by_package(timed.stderr)
+    rows: list[dict[str, Any]] = []
+    runs: list[tuple[str, list[str], dict[str, str]]] = [("", [sys.executable], env)]
+    if args.lean:
+        from importlib import metadata
+
+        dali = [d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-dali")]
+        site = lean_site(args.out / "lean-site", install_requires() + dali)
+        runs.append(
+            (" (requirements only)", [sys.executable, "-S"], {**env, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"})
+        )
+    by_package: dict[str, dict[str, float]] = {}
+    for suffix, python, run_env in runs if not args.no_imports else []:
+        for what, code in IMPORTS:
+            began = time.monotonic()
+            subprocess.run([*python, "-c", code], cwd=REPO, env=run_env, check=True)
+            rows.append({"run": what + suffix, "seconds_to_first_step": None,
+                         "seconds": round(time.monotonic() - began, 2)})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        timed = subprocess.run([*python, "-X", "importtime", "-c", "import lit_imagenet.cli"], cwd=REPO, env=run_env,
+                               check=True, capture_output=True, text=True)  # fmt: skip
+        by_package["lit_imagenet.cli" + suffix] = import_seconds_by_package(timed.stderr)
     if args.reference is not None:
         cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
@@ -255,15 +360,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     for decoder in args.decoders:
         index = args.out / f"index-{decoder}{'-' + args.label if args.label else ''}"
-        for attempt, steps in (("first run", args.steps), ("restart", args.restart_steps)):
+        attempts = [
+            ("first run", args.steps, [sys.executable], env),
+            ("restart", args.restart_steps, [sys.executable], env),
+        ]
+        attempts += [(f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in runs[1:]]
+        for attempt, steps, python, run_env in attempts:
             name = f"{decoder}{' ' + args.label if args.label else ''}, {attempt}"
             run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
-            cmd = [sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
+            cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
             if attempt == "first run":
                 subprocess.run(["rm", "-rf", str(index)], check=True)
-            rows.append(run(name, cmd, args.out, steps, OURS, batch, args.timeout, env, args.steady_from))
+            rows.append(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from))
             print(json.dumps(rows[-1]), flush=True)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
@@ -284,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         first = f"{row['seconds_to_first_step']:.1f}" if row["seconds_to_first_step"] is not None else "-"
         rate = f"{row['images_per_sec']:,}" if "images_per_sec" in row else "-"
         print(f"{row['run']:<28} {first:>15} {rate:>10} {row['peak_pss_gib']:>15.2f}")
-    print("\nimport lit_imagenet.cli, seconds by package: "
-          + ", ".join(f"{name} {seconds:.2f}" for name, seconds in by_package.items()))  # fmt: skip
+    for what, seconds_by_package in by_package.items():
+        print(f"\nimport {what}, seconds by package: "
+              + ", ".join(f"{name} {seconds:.2f}" for name, seconds in seconds_by_package.items()))  # fmt: skip
     print(f"\nReport: {args.out / 'startup.json'}")
     return int(any(row["seconds_to_first_step"] is None for row in rows if "seconds" not in row))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -253,11 +254,33 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     report = json.loads((out / "startup.json").read_text())
     imports, rows = report["rows"][:5], report["rows"][5:]
     assert imports[-1]["run"] == "imports: lit_imagenet.cli" and all(r["seconds"] > 0 for r in imports)
-    by_package = report["import_seconds_by_package"]
+    by_package = report["import_seconds_by_package"]["lit_imagenet.cli"]
     assert {"torch", "pytorch_lightning", "lit_imagenet"} <= set(by_package) and sum(by_package.values()) > 0.5
     assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
+    before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
+    assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
+
+
+def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
+    """``startup.py --lean`` runs with only what the package requires importable: other packages are not probed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from startup import install_requires, lean_site
+    finally:
+        sys.path.pop(0)
+    assert {"torch", "pytorch-lightning", "torchmetrics", "jsonargparse[signatures]"} <= set(install_requires())
+    site = lean_site(tmp_path / "lean", install_requires())
+    code = (
+        "import importlib.util, lit_imagenet.cli, sys; "
+        "print(importlib.util.find_spec('pytest') is None, 'pytest' in sys.modules, len(sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-S", "-c", code], env=env, capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[:2] == ["True", "False"]
+    assert (site / "torch").is_symlink() and not (site / "_pytest").exists()
 
 
 def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> None:
