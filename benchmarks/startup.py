@@ -9,7 +9,8 @@ runs, each in a process group of its own:
 * the reference script, given with ``--reference PATH`` (NVIDIA apex's ``main_amp.py`` in its form
   that runs without apex), with its ``--workers``;
 * ``train.py fit --config configs/resnet50.yaml`` as shipped, once per ``--decoders`` entry, twice:
-  a first run with an empty index folder, then a restart that finds the index.
+  a first run with an empty index folder and run folder, then a restart in the same folders, as a
+  requeued job: it finds the index, and with ``--model.compile`` the compiler caches.
 
 For each run it reports the seconds from launch to the first logged step (the line of step 10:
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
@@ -365,14 +366,16 @@ def main(argv: list[str] | None = None) -> int:
             ("restart", args.restart_steps, [sys.executable], env),
         ]
         attempts += [(f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in runs[1:]]
+        # Every start of a decoder shares one run folder, as a requeued job does: a restart finds the
+        # index and the compiler caches (--model.compile) that the first run left.
+        run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{decoder} {args.label}".strip())
         for attempt, steps, python, run_env in attempts:
             name = f"{decoder}{' ' + args.label if args.label else ''}, {attempt}"
-            run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
             if attempt == "first run":
-                subprocess.run(["rm", "-rf", str(index)], check=True)
+                subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
             rows.append(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from))
             print(json.dumps(rows[-1]), flush=True)
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}

@@ -259,6 +259,7 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
+    assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
 
