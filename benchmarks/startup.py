@@ -231,6 +231,7 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     sampler.start()
     seen: dict[int, float] = {}
     lines = []
+    first_line: int | None = None  # the number of lines up to the first step's
     killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
     killer.start()
     assert proc.stdout is not None
@@ -243,6 +244,7 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
             # epoch (5,005 batches of 256 at ImageNet's size).
             step = int(match.group(1))
             seen[step] = now
+            first_line = len(lines) if first_line is None else first_line
             if step >= steps:
                 break
     killer.cancel()
@@ -262,19 +264,11 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         "log": str(log),
         "timed_out": timed_out,
         # Where the start goes: each line printed up to the first step, with its second.
-        "lines_before_first_step": [line[:160].rstrip() for line in lines[: _first_step_line(lines, pattern)]],
+        "lines_before_first_step": [line[:160].rstrip() for line in lines[: first_line or 60]],
     }
     if steady_from in seen and steps in seen and steps > steady_from:
         row["images_per_sec"] = round((steps - steady_from) * images / (seen[steps] - seen[steady_from]))
     return row
-
-
-def _first_step_line(lines: list[str], pattern: re.Pattern[str]) -> int:
-    """The number of lines before the first step's, up to 60."""
-    for i, line in enumerate(lines[:60]):
-        if pattern.search(line[9:]):
-            return i + 1
-    return min(len(lines), 60)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -334,17 +328,18 @@ def main(argv: list[str] | None = None) -> int:
                    "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
                    "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
     rows: list[dict[str, Any]] = []
-    runs: list[tuple[str, list[str], dict[str, str]]] = [("", [sys.executable], env)]
+    # Each interpreter setting the imports and the restarts run under: its row suffix, command, environment.
+    pythons: list[tuple[str, list[str], dict[str, str]]] = [("", [sys.executable], env)]
     if args.lean:
         from importlib import metadata
 
         dali = [d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].startswith("nvidia-dali")]
         site = lean_site(args.out / "lean-site", install_requires() + dali)
-        runs.append(
+        pythons.append(
             (" (requirements only)", [sys.executable, "-S"], {**env, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"})
         )
     by_package: dict[str, dict[str, float]] = {}
-    for suffix, python, run_env in runs if not args.no_imports else []:
+    for suffix, python, run_env in pythons if not args.no_imports else []:
         for what, code in IMPORTS:
             began = time.monotonic()
             subprocess.run([*python, "-c", code], cwd=REPO, env=run_env, check=True)
@@ -360,17 +355,21 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run("reference", cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from))
         print(json.dumps(rows[-1]), flush=True)
     for decoder in args.decoders:
-        index = args.out / f"index-{decoder}{'-' + args.label if args.label else ''}"
+        tag = f"{decoder} {args.label}".strip()
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
+        index = args.out / f"index-{slug}"
         attempts = [
             ("first run", args.steps, [sys.executable], env),
             ("restart", args.restart_steps, [sys.executable], env),
         ]
-        attempts += [(f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in runs[1:]]
+        attempts += [
+            (f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in pythons[1:]
+        ]
         # Every start of a decoder shares one run folder, as a requeued job does: a restart finds the
         # index and the compiler caches (--model.compile) that the first run left.
-        run_dir = args.out / "runs" / re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{decoder} {args.label}".strip())
+        run_dir = args.out / "runs" / slug
         for attempt, steps, python, run_env in attempts:
-            name = f"{decoder}{' ' + args.label if args.label else ''}, {attempt}"
+            name = f"{tag}, {attempt}"
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
