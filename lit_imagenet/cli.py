@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import signal
@@ -321,6 +322,35 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
+def uncompiled_imports_warning(package: str = "torch") -> str | None:
+    """The warning line for a start that compiles ``package``'s Python source again, or ``None``.
+
+    Python keeps each module's compiled bytecode beside its source (or under ``PYTHONPYCACHEPREFIX``).
+    Where an installer left none (uv, for one, does not compile by default) and Python may not write
+    it (``PYTHONDONTWRITEBYTECODE``, ``python -B``, a read-only folder), every start compiles each
+    imported module of torch, Lightning and their dependencies again: seconds at each launch and
+    restart. Checked after ``package`` was imported, when Python would have written its bytecode if it could.
+
+    Args:
+        package: The installed package whose ``__init__.py`` is checked.
+    """
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None
+    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    folder = os.path.dirname(os.path.dirname(spec.origin))
+    why = (
+        "writing it is turned off (PYTHONDONTWRITEBYTECODE or python -B)"
+        if sys.dont_write_bytecode
+        else "Python could not write it there"
+    )
+    return (
+        f"warning: every start compiles the Python source of the packages in {folder} again: they hold no "
+        f"bytecode and {why}; compile it once with: {sys.executable} -m compileall -q -j 0 {folder}"
+    )
+
+
 def requested_subcommand(args: Any, subcommands: Iterable[str]) -> str | None:
     """The subcommand that a command line starts with (``fit`` in ``fit --config x.yaml``), else ``None``.
 
@@ -379,6 +409,9 @@ def main(
     if warning is not None:
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)
     if run:
+        uncompiled = uncompiled_imports_warning()
+        if uncompiled is not None:
+            rank_zero_only(print)(uncompiled, file=sys.stderr, flush=True)
         catch_requeue_signal()
         problem = torchrun_restart_problem()
         if problem and os.environ.get("RANK", "0") == "0":

@@ -1,4 +1,5 @@
 import csv
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lit_imagenet.cli import main
+from lit_imagenet.cli import main, uncompiled_imports_warning
 from lit_imagenet.training.models import build_model
 from tests.cli_args import fit_args
 
@@ -263,3 +264,20 @@ def test_a_command_line_builds_only_its_own_subcommand_parser(
     out = capsys.readouterr().out
     assert all(name in out for name in names)  # the top-level help still lists every subcommand
     assert "subcommands" not in vars(ImageNetCLI) and ImageNetCLI.subcommands().keys() == set(names)
+
+
+def test_a_start_that_compiles_its_imports_again_says_so_and_how_to_stop_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "uncompiled_probe"
+    package.mkdir()
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    importlib.import_module("uncompiled_probe")
+    line = uncompiled_imports_warning("uncompiled_probe")
+    assert line is not None
+    assert f"in {tmp_path} again" in line and "PYTHONDONTWRITEBYTECODE" in line
+    subprocess.run(line.split("compile it once with: ")[1].split(), check=True)  # the command the line gives
+    assert uncompiled_imports_warning("uncompiled_probe") is None
+    assert uncompiled_imports_warning("a_package_that_is_not_installed") is None
