@@ -27,9 +27,16 @@ package's requirements importable (``python -S`` over a folder of links to the i
 ``setup.cfg``'s requirements and theirs): what a virtual environment of its own gives, where the
 interpreter's environment holds other packages that an import probes for and loads.
 
+With ``--bytecode`` every process (the reference too) reads and writes Python's compiled bytecode under
+``OUT/pycache`` (``PYTHONPYCACHEPREFIX``, writing allowed even where ``PYTHONDONTWRITEBYTECODE`` is set),
+filled before the first timed row by one import of what the runs import: what an installation that
+compiled its bytecode gives (pip's default), where the interpreter's packages hold none. Its rows are
+named with `` (bytecode cached)``.
+
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
     python benchmarks/startup.py --out runs/su2 --no-imports --decoders auto --label compiled -- --model.compile true
+    python benchmarks/startup.py --out runs/su3 --bytecode --reference main_amp.py
     python benchmarks/startup.py --out /tmp/startup --smoke   # CPU, a tiny tree, well under a minute
 """
 
@@ -62,6 +69,21 @@ IMPORTS = (
     ("imports: jsonargparse", "import jsonargparse"),
     ("imports: lit_imagenet.cli", "import lit_imagenet.cli"),
 )
+
+# Run once before the rows with --bytecode: the modules every run imports (the reference's too), compiled.
+WARM_IMPORTS = (
+    "import importlib.util, torch, torch.distributed, torchvision.datasets, torchvision.models, "
+    "torchvision.transforms, lit_imagenet.cli\n"
+    "if importlib.util.find_spec('nvidia.dali'):\n"
+    "    import nvidia.dali, nvidia.dali.plugin.pytorch"
+)
+
+
+def bytecode_environment(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """``env`` for a process that keeps its compiled bytecode under ``folder``, writing it where it is missing."""
+    cached = {key: value for key, value in env.items() if key != "PYTHONDONTWRITEBYTECODE"}
+    cached["PYTHONPYCACHEPREFIX"] = str(folder)
+    return cached
 
 
 def import_seconds_by_package(importtime: str, top: int = 15) -> dict[str, float]:
@@ -291,6 +313,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-imports", action="store_true", help="leave out the import rows (a second call)")
     parser.add_argument("--lean", action="store_true",
                         help="also the imports and each restart with only the requirements importable")  # fmt: skip
+    parser.add_argument(
+        "--bytecode",
+        action="store_true",
+        help="every process with a compiled bytecode cache under OUT/pycache, filled first",
+    )
     parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
     args = parser.parse_args(argv)
     full = {"tree": Path("/tmp/imagenet_links"), "sources": 25_602, "train": 1_281_167, "val": 50_000,
@@ -319,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Tree: {tree} ({args.train:,} + {args.val:,} links to {len(sources):,} files), "
           f"{time.monotonic() - began:.0f} s", flush=True)  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    named = " (bytecode cached)" if args.bytecode else ""  # added to every row's name
+    if args.bytecode:
+        env = bytecode_environment(env, args.out / "pycache")
     batch = 4 if args.smoke else 256
     if "--data.batch_size" in args.extra[:-1]:  # images/s counts the batches given to train.py
         batch = int(args.extra[args.extra.index("--data.batch_size") + 1])
@@ -338,21 +368,25 @@ def main(argv: list[str] | None = None) -> int:
         pythons.append(
             (" (requirements only)", [sys.executable, "-S"], {**env, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"})
         )
+    for _, python, run_env in pythons if args.bytecode else []:
+        subprocess.run([*python, "-c", WARM_IMPORTS], cwd=REPO, env=run_env, check=True)
     by_package: dict[str, dict[str, float]] = {}
     for suffix, python, run_env in pythons if not args.no_imports else []:
         for what, code in IMPORTS:
             began = time.monotonic()
             subprocess.run([*python, "-c", code], cwd=REPO, env=run_env, check=True)
-            rows.append({"run": what + suffix, "seconds_to_first_step": None,
+            rows.append({"run": what + suffix + named, "seconds_to_first_step": None,
                          "seconds": round(time.monotonic() - began, 2)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         timed = subprocess.run([*python, "-X", "importtime", "-c", "import lit_imagenet.cli"], cwd=REPO, env=run_env,
                                check=True, capture_output=True, text=True)  # fmt: skip
-        by_package["lit_imagenet.cli" + suffix] = import_seconds_by_package(timed.stderr)
+        by_package["lit_imagenet.cli" + suffix + named] = import_seconds_by_package(timed.stderr)
     if args.reference is not None:
         cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        rows.append(run("reference", cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from))
+        rows.append(
+            run("reference" + named, cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from)
+        )
         print(json.dumps(rows[-1]), flush=True)
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
@@ -369,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         # index and the compiler caches (--model.compile) that the first run left.
         run_dir = args.out / "runs" / slug
         for attempt, steps, python, run_env in attempts:
-            name = f"{tag}, {attempt}"
+            name = f"{tag}, {attempt}{named}"
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import PIL
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -300,3 +301,24 @@ def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> 
     row = run("two epochs", [sys.executable, "-c", code], tmp_path, 4, OURS, 8, 20, dict(os.environ), steady_from=2)
     assert row["first_step"] == 1 and not row["timed_out"]
     assert 8 * 2 / 0.6 < row["images_per_sec"] < 8 * 2 / 0.3  # steps 2 to 4, 0.4 s apart; stopped at step 4
+
+
+def test_startup_benchmark_with_bytecode_runs_every_process_on_one_filled_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``startup.py --bytecode``: compiled once before the rows, read by every run, even where writing is turned off."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from startup import main
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    out = tmp_path / "startup"
+    assert main(["--out", str(out), "--smoke", "--no-imports", "--bytecode"]) == 0
+    rows = json.loads((out / "startup.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)"]
+    tag = sys.implementation.cache_tag
+    ours = out / "pycache" / str(REPO).lstrip(os.sep) / "lit_imagenet"
+    assert (ours / f"cli.{tag}.pyc").is_file()  # written by the import before the rows
+    pil = out / "pycache" / str(Path(PIL.__file__).parent).lstrip(os.sep)
+    assert (pil / f"JpegImagePlugin.{tag}.pyc").is_file()  # and by the runs: PIL imports it at the first JPEG
