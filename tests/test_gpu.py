@@ -211,3 +211,83 @@ def test_no_host_device_sync_during_an_epoch(tmp_path: Path) -> None:
     rows = list(__import__("csv").DictReader(open(Path(trainer.log_dir) / "metrics.csv")))
     logged = {key for row in rows for key, value in row.items() if value}
     assert {"train/loss_step", "train/top1_step", "train/images_per_sec", "lr-SGD/pg1"} <= logged, logged
+
+
+class _Losses(pl.Callback):
+    """Each training step's loss, and the gradient scaler's scale after it."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
+
+
+def _graph_fit(root: Path, out: Path, compile_mode, steps: int, **trainer_kwargs) -> tuple[ImageClassifier, _Losses]:
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    pl.seed_everything(0)
+    # No loader workers and deterministic kernels: two runs differ by their kernels' arithmetic alone, and at a small
+    # rate that keeps the trajectories together (at 0.2 per 256 on these 144 images two eager runs part within steps).
+    dm = ImageFolderDataModule(str(root), batch_size=16, workers=0, crop_size=64, val_resize=72, seed=0)
+    model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.05, warmup_epochs=0, compile=compile_mode)
+    losses = _Losses()
+    # A first scale of 2**30: the first steps overflow float16, and the scaler skips them and halves the scale.
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**30)
+    trainer = pl.Trainer(default_root_dir=out, accelerator="gpu", devices=1, max_steps=steps, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[losses],
+                         num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
+                         plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)], **trainer_kwargs)  # fmt: skip
+    trainer.fit(model, dm)
+    return model, losses
+
+
+def test_cuda_graph_fit_replays_the_compiled_steps_exactly_overflows_included(
+    learnable_root: Path, tmp_path: Path, caplog, monkeypatch
+) -> None:
+    """50 steps replayed as CUDA graphs give the compiled network's losses bit for bit, overflowing steps skipped
+    alike; against eager steps: the same skipped steps and scales, the same losses while the weights are the first
+    ones, and a curve that learns as eager's does after (inductor's kernels round otherwise, so the trajectories
+    part); the run says it compiled and how long that took."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile_cache"))
+    with caplog.at_level("INFO"):
+        graphed, graph_losses = _graph_fit(learnable_root, tmp_path / "graphs", "cudagraphs", 50)
+    assert not [r for r in caplog.records if r.getMessage().startswith("Compile:")]  # no fallback
+    assert any(r.getMessage().startswith("Compiled the network and ran its first step in") for r in caplog.records)
+    _, compiled_losses = _graph_fit(learnable_root, tmp_path / "compiled", "default", 50)
+    assert graph_losses.scales == compiled_losses.scales and graph_losses.losses == compiled_losses.losses
+    _, eager_losses = _graph_fit(learnable_root, tmp_path / "eager", False, 50)
+    assert graph_losses.scales == eager_losses.scales and graph_losses.scales[0] < 2.0**30  # the same skipped steps
+    a, b = torch.tensor(graph_losses.losses), torch.tensor(eager_losses.losses)
+    skipped = next(k for k, s in enumerate(eager_losses.scales) if s == eager_losses.scales[k + 1]) + 1
+    assert skipped > 5 and torch.allclose(a[:skipped], b[:skipped], rtol=2e-3), (a, b)  # the same weights so far
+    assert torch.isfinite(a).all() and a[-10:].mean() < 0.6 * a[0] and b[-10:].mean() < 0.6 * b[0], (a, b)
+    assert abs(a[-10:].mean() - b[-10:].mean()) < 0.15 * b[-10:].mean(), (a, b)
+    assert all(torch.isfinite(p).all() for p in graphed.model.parameters())
+
+
+def test_a_cuda_graph_run_resumes_mid_epoch(learnable_root: Path, tmp_path: Path, monkeypatch) -> None:
+    from lit_imagenet.cli import main
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile_cache"))  # compiled once for the 3 runs
+    from tests.cli_args import fit_args
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return fit_args(learnable_root, out, "--trainer.accelerator", "gpu", "--trainer.precision", "16-mixed",
+                        "--model.compile", "cudagraphs", "--trainer.max_epochs", "2", "--trainer.deterministic",
+                        "true", "--seed_everything", "3", "--step_checkpoint.every_n_train_steps", "4",
+                        "--trainer.limit_val_batches", "2", "--curves.enabled", "false", *extra,
+                        batch_size=16)  # fmt: skip
+
+    main(args(tmp_path / "whole"))
+    main(args(tmp_path / "cut", "--trainer.max_steps", "12"))  # 9 steps an epoch: stopped in epoch 1
+    (ckpt,) = (tmp_path / "cut").rglob("last-step.ckpt")
+    main(args(tmp_path / "cut", "--ckpt_path", str(ckpt)))
+    from tests.runs import final_checkpoint, network
+
+    whole, resumed = network(final_checkpoint(tmp_path / "whole")), network(final_checkpoint(tmp_path / "cut"))
+    for name in whole:
+        torch.testing.assert_close(resumed[name].float(), whole[name].float(), rtol=2e-3, atol=2e-4, msg=name)

@@ -180,18 +180,30 @@ def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -
     assert graphs == [False, False]  # one graph per batch size, none of them for any size
 
 
-def test_compile_stays_eager_with_apex_saying_why(caplog) -> None:
+def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplog) -> None:
     from types import SimpleNamespace
 
+    def mode(compile_mode, device: str = "cuda", world: int = 1, accumulate: int = 1, plugin=None):
+        module = ImageClassifier("resnet18", num_classes=3, compile=compile_mode)
+        module._trainer = SimpleNamespace(precision_plugin=plugin, world_size=world, accumulate_grad_batches=accumulate,
+                                          strategy=SimpleNamespace(root_device=torch.device(device)))  # fmt: skip
+        return module._compile_mode()
+
+    assert mode("cudagraphs") == ("cudagraphs", None)
+    assert mode(True) == mode("default") == ("default", None)
+    assert mode("cudagraphs", device="cpu") == ("default", "CUDA graphs need a CUDA device")
+    assert mode("cudagraphs", world=2) == ("default", "CUDA graphs are used on one process only; this run has 2")
+    assert mode("cudagraphs", accumulate=2)[0] == "default"
     from lit_imagenet.training.precision import ApexAMP
 
-    module = ImageClassifier("resnet18", num_classes=3, compile=True)
-    module._trainer = SimpleNamespace(
-        precision_plugin=ApexAMP.__new__(ApexAMP), strategy=SimpleNamespace(root_device=torch.device("cpu"))
-    )
+    assert mode("cudagraphs", plugin=ApexAMP.__new__(ApexAMP))[0] is None
+    module = ImageClassifier("resnet18", num_classes=3, compile="cudagraphs")
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     with caplog.at_level("INFO"):
         module.setup("fit")
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compile:")] == [
-        "Compile: eager (--model.compile true asked for; apex AMP patches functions that torch.compile traces)."
+        "Compile: default (CUDA graphs need a CUDA device)."
     ]
-    assert module.model._compiled_call_impl is None
+    assert module.model._compiled_call_impl is not None
+    with pytest.raises(ValueError, match="compile must be false, true, default or cudagraphs. Got 'graphs'"):
+        ImageClassifier("resnet18", num_classes=3, compile="graphs")

@@ -64,9 +64,14 @@ class ImageClassifier(pl.LightningModule):
         class_names: Class names in label order; the command line takes them from the data and
             they are stored in checkpoints.
         compile: Compile the network with ``torch.compile`` (in place, ``nn.Module.compile``: the
-            parameter names, and so the checkpoints, are those of the plain network). With apex AMP the
-            run says in one line that it stays eager. The first steps take longer while it compiles (the
-            time is logged), and inductor's caches go to ``compile_cache`` under the run's root, where a
+            parameter names, and so the checkpoints, are those of the plain network). ``false``: eager.
+            ``true`` (or ``default``): compiled. ``cudagraphs``: compiled, and its forward and backward
+            passes replayed as CUDA graphs (torch.compile's ``reduce-overhead``), which launch each
+            pass's kernels at once; the optimizer step and the learning rate stay outside the graphs.
+            Where a mode cannot run (CUDA graphs off CUDA, under DDP on several processes or with
+            gradient accumulation; any compilation with apex AMP), the run says so in one line and
+            takes the next one down. The first steps take longer while it compiles (the time is
+            logged), and inductor's caches go to ``compile_cache`` under the run's root, where a
             restart finds them, unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept
             static: a batch of another size (an epoch's short last batch, validation) gets a graph of its
             own, where by default it would turn the training graph into one for any batch size.
@@ -91,7 +96,7 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
-        compile: bool = False,
+        compile: bool | Literal["default", "cudagraphs"] = False,
         fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
@@ -103,6 +108,8 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must not be negative. Got {freeze_backbone_epochs}")
         if backbone_lr_scale < 0:
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
+        if compile not in (False, True, "default", "cudagraphs"):
+            raise ValueError(f"compile must be false, true, default or cudagraphs. Got {compile!r}")
         self.save_hyperparameters()
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
@@ -123,6 +130,7 @@ class ImageClassifier(pl.LightningModule):
         #: sets it from ``--prefetch.*``.
         self.prefetch = CUDAPrefetch()
         self._compiled = False
+        self._graphed = False  # the network replayed as CUDA graphs (``compile: cudagraphs``)
         self._compile_clock: float | None = None  # the first compiled step's start, 0 until it starts
         self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
@@ -147,19 +155,39 @@ class ImageClassifier(pl.LightningModule):
         if use:
             self.model.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
-            trainer = attached_trainer(self)
-            if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
-                rank_zero_info("Compile: eager (--model.compile true asked for; apex AMP patches functions that "
-                               "torch.compile traces).")  # fmt: skip
-            else:
+            mode, reason = self._compile_mode()
+            if reason:
+                rank_zero_info(f"Compile: {mode or 'eager'} ({reason}).")
+            if mode is not None:
+                trainer = attached_trainer(self)
                 if trainer is not None and user_inductor_cache_dir() is None:
                     # Read by inductor when it compiles, and by its compile workers, started then.
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
                         os.path.join(trainer.default_root_dir, "compile_cache")
                     )
-                self.model.compile(dynamic=False)
+                self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
+                self._graphed = mode == "cudagraphs"
                 self._compile_clock = 0.0  # started by the first training batch
             self._compiled = True
+
+    def _compile_mode(self) -> tuple[str | None, str | None]:
+        """The compilation this run can have of the one asked for (``compile``), and why not the one asked for."""
+        asked = "default" if self.hparams.compile in (True, "default") else str(self.hparams.compile)
+        trainer = attached_trainer(self)
+        if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
+            return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
+        if asked != "cudagraphs":
+            return asked, None
+        device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
+        if device.type != "cuda":
+            return "default", "CUDA graphs need a CUDA device"
+        if trainer is None:
+            return "cudagraphs", None
+        if trainer.world_size > 1:
+            return "default", f"CUDA graphs are used on one process only; this run has {trainer.world_size}"
+        if trainer.accumulate_grad_batches > 1:
+            return "default", "gradients accumulated over the replays of one graph would be overwritten"
+        return "cudagraphs", None
 
     def head_parameters(self) -> list[nn.Parameter]:
         """Parameters of the classifier head (the network's final ``nn.Linear``)."""
@@ -229,6 +257,9 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._graphed:
+            # A new training step: the graphs' outputs of the last one (logits, gradients) may be overwritten.
+            torch.compiler.cudagraph_mark_step_begin()
         if self._compile_clock == 0.0:
             self._compile_clock = time.perf_counter()
 
