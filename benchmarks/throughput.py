@@ -23,10 +23,15 @@ Every row is timed over whole epochs with the host clock, epoch start included, 
 synchronised at each epoch's start and end; the row reports the last epoch (``--epochs``, 2 by
 default: the first one pays for cuDNN's autotuning, compilation and starting the workers). Peak
 memory is the largest ``torch.cuda.max_memory_allocated`` of that epoch (memory nvJPEG allocates
-for itself is not counted there). ``model-alone`` and ``loop`` run on one device; ``--devices 1 2``
+for itself is not counted there; CUDA graphs take their memory pool as they are recorded, in the
+first epoch, so later epochs' peaks of ``cudagraphs`` rows leave it out). ``model-alone`` and
+``loop`` run on one device; ``--devices 1 2``
 runs every ``fit`` row on 1 and on 2 GPUs (DDP). The ratio column divides each row's images/s by
-the ``model-alone`` images/s of the same architecture. ``--compile`` compiles the network in
-``model-alone`` and in every ``fit`` row. The table is printed and written to ``OUT/throughput.json``
+the ``model-alone`` images/s of the same architecture and mode. ``--compile MODE ...`` runs the rows
+once per mode of the network: ``eager``, ``default`` (compiled) and ``cudagraphs`` (compiled and
+replayed as CUDA graphs), the ``fit`` rows with ``--model.compile`` set to match; without it the
+model alone is eager and the ``fit`` rows take the recipe's ``--model.compile``. The
+table is printed and written to ``OUT/throughput.json``
 (with the hardware and versions) and ``OUT/throughput.png``.
 
     python benchmarks/throughput.py --out runs/throughput --devices 1 2
@@ -59,6 +64,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(r"Epoch (\d+): ([\d,.]+) images/s .*?(?:peak GPU memory ([\d.]+) GiB)?$")
 LR_PER_256, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-4  # configs/resnet50.yaml
+#: ``--compile``'s modes, and the ``--model.compile`` value of each.
+COMPILE_MODES = {"eager": "false", "default": "true", "cudagraphs": "cudagraphs"}
 DECODER = re.compile(r"^(pil|torchvision|nvjpeg|dali)(?:@([01](?:\.\d+)?))?$")
 
 
@@ -83,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, nargs="+", default=[1], help="GPU counts of the fit rows (DDP if > 1)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["model-alone", "fit-synthetic", "loop"],
                         help="leave out these rows (model-alone is needed for the ratios)")  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="torch.compile the network (model-alone, fit rows)")
+    parser.add_argument("--compile", nargs="*", default=None, choices=list(COMPILE_MODES),
+                        help="the network's modes, each a set of rows (model-alone, fit rows): eager, default "
+                             "(torch.compile), cudagraphs (compiled and replayed as CUDA graphs, torch.compile's "
+                             "reduce-overhead); --compile alone: default (default: eager)")  # fmt: skip
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
                         help="run each row on the first N CPUs per GPU it uses, of those the script may use "
                              "(default: all of them)")  # fmt: skip
@@ -105,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-classes", type=int, default=None, help="default 6")
     parser.add_argument("extra", nargs="*", help="more train.py arguments for the fit rows, after --")
     args = parser.parse_args(argv)
+    # None: the model alone eager, the fit rows as the recipe sets --model.compile.
+    args.modes = [None] if args.compile is None else list(dict.fromkeys(args.compile or ["default"]))
+    args.compile = None  # the mode of the rows being run, one of args.modes
     # The CPUs this process may use when it starts (``taskset`` narrows them), before a row narrows them further.
     args.start_cpus = (
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -147,8 +160,8 @@ def _training_parts(arch: str, args: argparse.Namespace, device: torch.device) -
     from lit_imagenet.training.schedule import scaled_lr
 
     model = build_model(arch, args.num_classes).to(device, memory_format=torch.channels_last).train()
-    if args.compile:
-        model.compile()
+    if args.compile in ("default", "cudagraphs"):
+        model.compile(dynamic=False, mode="reduce-overhead" if args.compile == "cudagraphs" else None)
     cuda = device.type == "cuda"
     optimizer = torch.optim.SGD(
         model.parameters(), lr=scaled_lr(LR_PER_256, args.batch_size), momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
@@ -204,7 +217,11 @@ def _model_alone_step(parts: tuple[Any, ...], args: argparse.Namespace, device: 
     images = images.contiguous(memory_format=torch.channels_last)
     targets = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
 
+    graphed = args.compile == "cudagraphs"
+
     def step() -> None:
+        if graphed:
+            torch.compiler.cudagraph_mark_step_begin()
         _step(model, optimizer, scaler, criterion, normalize(images), targets, device)
 
     return step
@@ -219,7 +236,7 @@ def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> di
             step()
         return args.model_steps * args.batch_size
 
-    return _timed_epochs(f"model-alone {arch}", args, device, run_epoch)
+    return _timed_epochs(f"model-alone {arch}{_mode_suffix(args)}", args, device, run_epoch)
 
 
 def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: Path) -> dict[str, Any]:
@@ -256,6 +273,8 @@ def hand_loop(arch: str, args: argparse.Namespace, device: torch.device, root: P
         else:
             batches = ((normalize(images), targets) for images, targets in loader)
         for images, targets in batches:
+            if args.compile == "cudagraphs":
+                torch.compiler.cudagraph_mark_step_begin()
             _step(model, optimizer, scaler, criterion, images, targets, device)
             count += int(images.shape[0])
         return count
@@ -300,6 +319,11 @@ def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> 
     }
 
 
+def _mode_suffix(args: argparse.Namespace) -> str:
+    """The compiled rows' suffix of names (``-default``, ``-cudagraphs``); none for eager rows."""
+    return f"-{args.compile}" if args.compile in ("default", "cudagraphs") else ""
+
+
 def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Path) -> list[str]:
     cmd = [
         "--model.arch", arch, "--trainer.devices", str(devices), "--trainer.max_epochs", str(args.epochs),
@@ -308,8 +332,8 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
     ]  # fmt: skip
     if devices > 1:
         cmd += ["--trainer.strategy", "ddp"]
-    if args.compile:
-        cmd += ["--model.compile", "true"]
+    if args.compile is not None:
+        cmd += ["--model.compile", COMPILE_MODES[args.compile]]
     if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
     return cmd
@@ -317,7 +341,7 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
 
 def fit_synthetic(arch: str, devices: int, args: argparse.Namespace) -> dict[str, Any]:
     """``fit`` on random uint8 batches made on the GPU, with the settings of ``configs/resnet50.yaml``."""
-    name = f"fit-synthetic-{arch}-{devices}dev"
+    name = f"fit-synthetic-{arch}-{devices}dev{_mode_suffix(args)}"
     out = args.out / "fit" / name
     cmd = [
         sys.executable, str(REPO / "benchmarks/fit_synthetic.py"), "fit",
@@ -334,7 +358,7 @@ def fit_synthetic(arch: str, devices: int, args: argparse.Namespace) -> dict[str
 def fit(arch: str, decoder: str, devices: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """``train.py fit`` in a subprocess; the last epoch's line of the ``Throughput`` callback."""
     kind, _, share = decoder.partition("@")
-    name = f"fit-{decoder}-{arch}-{devices}dev"
+    name = f"fit-{decoder}-{arch}-{devices}dev{_mode_suffix(args)}"
     out = args.out / "fit" / name
     cmd = [
         sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
@@ -376,7 +400,7 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["images_per_sec"] is not None]
-    labels = [f"{r['arch']} {r['setting']} ({r['devices']} dev)" for r in rows]
+    labels = [f"{r['arch']} {r['setting']} {r.get('compile', 'eager')} ({r['devices']} dev)" for r in rows]
     values = [r["images_per_sec"] for r in rows]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
     colours = {"model-alone": "C0", "fit-synthetic": "C3", "loop": "C1"}
@@ -413,21 +437,23 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[dict[str, Any]] = []
 
     def add(setting: str, arch: str, devices: int, result: dict[str, Any]) -> None:
-        alone = next((x for x in rows if x["arch"] == arch and x["setting"] == "model-alone"), None)
+        mode = args.compile or "eager"
+        alone = next((x for x in rows if (x["arch"], x["setting"], x["compile"]) == (arch, "model-alone", mode)), None)
         rate = result["images_per_sec"]
         ratio = 1.0 if setting == "model-alone" else (rate / alone["images_per_sec"] if alone and rate else None)
-        rows.append({"setting": setting, "arch": arch, "devices": devices, **result, "ratio": ratio})
+        rows.append({"setting": setting, "arch": arch, "devices": devices, "compile": mode, **result, "ratio": ratio})
         memory = result.get("peak_memory_gib")
         shown = "no finished epoch" if rate is None else f"{rate:,.1f} images/s"
         if ratio is not None:
             shown += f", {ratio:.3f}x model alone"
         if result.get("timed_out"):
             shown += f" (stopped after {args.row_timeout:g} s)"
-        print(f"{setting} {arch} ({devices} dev): {shown}"
+        print(f"{setting} {arch} ({devices} dev{'' if mode == 'eager' else ', ' + mode}): {shown}"
               + (f", peak memory {memory:.2f} GiB" if memory is not None else ""), flush=True)  # fmt: skip
         (args.out / "rows.partial.json").write_text(json.dumps(rows, indent=2, default=str))  # kept if cut short
 
-    for arch in args.archs:
+    for arch, mode in [(arch, mode) for arch in args.archs for mode in args.modes]:
+        args.compile = mode
         if "model-alone" not in args.skip:
             add("model-alone", arch, 1, model_alone(arch, args, device))
             _reset_memory(device)
@@ -451,15 +477,15 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\n{where} ({env['cpus_usable']} CPUs), torch {env['torch']}, torchvision "
           f"{env['torchvision']}, pytorch-lightning {env['pytorch_lightning']}; {setup}\n")  # fmt: skip
-    print("| setting | arch | devices | images/s | ratio to model alone | peak memory GiB |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| setting | arch | network | devices | images/s | ratio to model alone | peak memory GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         memory = f"{r['peak_memory_gib']:.2f}" if r["peak_memory_gib"] is not None else "-"
         rate = "-" if r["images_per_sec"] is None else f"{r['images_per_sec']:,.0f}"
         if r.get("timed_out"):
             rate += " (stopped)"
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
-        print(f"| {r['setting']} | {r['arch']} | {r['devices']} | {rate} | {ratio} | {memory} |")
+        print(f"| {r['setting']} | {r['arch']} | {r['compile']} | {r['devices']} | {rate} | {ratio} | {memory} |")
     print(f"\nWrote {args.out / 'throughput.json'} and {args.out / 'throughput.png'}")
 
 

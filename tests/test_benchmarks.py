@@ -54,7 +54,9 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     env = report["environment"]
     for key in ("cpu_count", "torch", "torchvision", "pytorch_lightning"):
         assert env[key], key
-    assert "| fit-nvjpeg | resnet18 | 1 |" in proc.stdout
+    assert all(row["compile"] == "eager" for row in rows)
+    assert "| fit-nvjpeg | resnet18 | eager | 1 |" in proc.stdout
+    assert "--model.compile" not in (out / "logs" / "fit-pil-resnet18-1dev.log").read_text()  # the recipe's
 
     png = (out / "throughput.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000
@@ -64,7 +66,7 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     out = tmp_path / "throughput"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks/throughput.py"), "--smoke", "--out", str(out), "--skip", "loop",
-         "--decoders", "pil", "--row-timeout", "0.5"],
+         "--decoders", "pil", "--row-timeout", "0.5", "--compile", "eager"],
         capture_output=True, text=True, cwd=REPO, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,7 +74,8 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     assert [r["setting"] for r in rows] == ["model-alone", "fit-synthetic", "fit-pil"]
     for row in rows[1:]:
         assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
-    assert "| fit-pil | resnet18 | 1 | - (stopped) | - | - |" in proc.stdout
+    assert "| fit-pil | resnet18 | eager | 1 | - (stopped) | - | - |" in proc.stdout
+    assert "--model.compile false" in (out / "logs" / "fit-pil-resnet18-1dev.log").read_text()  # eager asked for
     assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
