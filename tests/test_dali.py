@@ -188,6 +188,44 @@ def test_same_seed_same_batches_other_seed_or_epoch_other_crops(shapes_root: Pat
         assert not any(torch.equal(a[0], b[0]) for a, b in zip(first, other))
 
 
+def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_root: Path, monkeypatch) -> None:
+    """The reader of a scanned split takes a written list of ``path label`` lines, gone once the pipeline is
+    built, and gives the batches that lists of paths and labels give."""
+    from lit_imagenet.data.dali import pipeline as pipelines
+    from lit_imagenet.data.index import SampleTable
+
+    lists: list[tuple[str, bytes]] = []
+    build = pipelines.build_pipeline
+
+    def kept(*args, **kwargs):
+        if kwargs.get("file_list") is not None:
+            lists.append((kwargs["file_root"], Path(kwargs["file_list"]).read_bytes()))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr("lit_imagenet.data.dali.loader.build_pipeline", kept)
+
+    def passes() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        dm = _module(shapes_root)
+        dm.setup("fit")
+        train, val = dm.train_dataloader(), dm.val_dataloader()
+        train.sampler.set_epoch(1)
+        return list(train), list(val)
+
+    listed = passes()
+    assert [root for root, _ in lists] == [str(shapes_root / "train"), str(shapes_root / "val")]
+    lines = lists[0][1].decode().splitlines()  # the epochs the training pipeline reads, one after the other
+    files = sorted(p.relative_to(shapes_root / "train").as_posix() for p in (shapes_root / "train").rglob("*.jpg"))
+    classes = sorted(p.name for p in (shapes_root / "train").iterdir())
+    assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
+    assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
+    assert not list(Path(__import__("tempfile").gettempdir()).glob("lit_imagenet_dali_*.txt"))
+    monkeypatch.setattr(SampleTable, "listable", lambda self: False)
+    for got, expected in zip(passes(), listed):
+        assert len(got) == len(expected)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    assert len(lists) == 2  # lists of paths this time
+
+
 def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path) -> None:
     whole = _module(shapes_root).train_dataloader()
     whole.sampler.set_epoch(1)

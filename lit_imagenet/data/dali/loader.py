@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
+import tempfile
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -221,17 +223,38 @@ class DALILoader:
         return epochs
 
     def _pipeline(self, indices: np.ndarray, seeds: np.ndarray | None) -> Any:
+        """The pipeline of samples ``indices``, built.
+
+        Its reader takes their list as a file of ``path label`` lines (``SampleTable.listing``), written for
+        it and removed once it is built, or, where the table cannot be listed (``SampleTable.listable``),
+        as lists of paths and labels, which take DALI seconds a million paths to take over, holding the
+        interpreter that the training loop needs meanwhile.
+        """
         source: CropSource | GeometrySource
         if seeds is not None:
             source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
-        return build_pipeline(
-            self.samples.paths(indices), self.samples.labels[indices].tolist(), source, batch_size=self.batch_size,
-            threads=self.threads, device_id=None if self.device is None else self.device.index,
-            crop_size=self.crop_size, dtype=self.dtype, channels_last=self.channels_last, mean=self.mean,
-            std=self.std, hw_decoder_load=self.hw_decoder_load,
-        )  # fmt: skip
+        listed = None
+        if self.samples.listable():
+            handle, listed = tempfile.mkstemp(prefix="lit_imagenet_dali_", suffix=".txt")
+            with os.fdopen(handle, "wb") as out:
+                out.write(self.samples.listing(indices))
+            files: dict[str, Any] = {"files": None, "labels": None, "file_list": listed, "file_root": self.samples.root}
+        else:
+            files = {"files": self.samples.paths(indices), "labels": self.samples.labels[indices].tolist()}
+        try:
+            pipe = build_pipeline(
+                source=source, batch_size=self.batch_size, threads=self.threads,
+                device_id=None if self.device is None else self.device.index, crop_size=self.crop_size,
+                dtype=self.dtype, channels_last=self.channels_last, mean=self.mean, std=self.std,
+                hw_decoder_load=self.hw_decoder_load, **files,
+            )  # fmt: skip
+            pipe.build()  # its reader reads the list here
+        finally:
+            if listed is not None:
+                os.unlink(listed)
+        return pipe
 
     def _start(self, sampler: Sampler | None = None, split: bool = False) -> _Pass | None:
         """Builds the pipeline of a pass in the sampler's current order; DALI prepares its first batch meanwhile.

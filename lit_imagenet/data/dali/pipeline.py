@@ -87,10 +87,12 @@ class CropSource:
 
 
 def build_pipeline(
-    files: list[str],
-    labels: list[int],
+    files: list[str] | None,
+    labels: list[int] | None,
     source: CropSource | GeometrySource,
     *,
+    file_list: str | None = None,
+    file_root: str | None = None,
     batch_size: int,
     threads: int,
     device_id: int | None,
@@ -101,7 +103,11 @@ def build_pipeline(
     std: Sequence[float],
     hw_decoder_load: float,
 ) -> Any:
-    """A DALI pipeline that reads ``files`` in order and yields ``(images, labels)`` batches.
+    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches.
+
+    Or the files of ``file_list``, a text file of ``path label`` lines (``SampleTable.listing``), each path
+    under ``file_root``: DALI reads it at the build, where a Python list of a million paths takes seconds
+    to hand over, holding the interpreter.
 
     A ``CropSource`` makes it a training pipeline (the source's crop windows, resized to ``crop_size``
     squared, mirrored where the source says); a ``GeometrySource`` an evaluation one (the whole image
@@ -119,9 +125,10 @@ def build_pipeline(
     # seed: nothing is drawn in the pipeline, the crops come from the samples' seeds
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=0)
     def pipeline() -> tuple[Any, Any]:
-        encoded, label = fn.readers.file(
-            files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
-        )
+        listed: dict[str, Any] = {"files": files, "labels": labels}
+        if file_list is not None:
+            listed = {"file_list": file_list, "file_root": file_root}
+        encoded, label = fn.readers.file(random_shuffle=False, pad_last_batch=True, name="Reader", **listed)
         mirror: Any = 0
         crop: dict[str, Any] = {}
         if isinstance(source, CropSource):
