@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import atexit
 import os
 import platform
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +16,9 @@ from tests.runs import REPO, BackgroundRun, job_script_flags, run_flags
 
 # The data modules' index files go to a folder of this session's, not to the user's cache; the runs that tests
 # start in subprocesses inherit it.
-os.environ.setdefault("LIT_IMAGENET_CACHE", tempfile.mkdtemp(prefix="lit_imagenet_test_cache_"))
+if "LIT_IMAGENET_CACHE" not in os.environ:
+    os.environ["LIT_IMAGENET_CACHE"] = tempfile.mkdtemp(prefix="lit_imagenet_test_cache_")
+    atexit.register(shutil.rmtree, os.environ["LIT_IMAGENET_CACHE"], ignore_errors=True)
 
 
 def _dali_missing() -> str | None:

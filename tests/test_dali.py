@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -218,7 +219,7 @@ def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_r
     classes = sorted(p.name for p in (shapes_root / "train").iterdir())
     assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
     assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
-    assert not list(Path(__import__("tempfile").gettempdir()).glob("lit_imagenet_dali_*.txt"))
+    assert not list(Path(tempfile.gettempdir()).glob("lit_imagenet_dali_*.txt"))
     monkeypatch.setattr(SampleTable, "listable", lambda self: False)
     for got, expected in zip(passes(), listed):
         assert len(got) == len(expected)
