@@ -30,7 +30,10 @@ runs every ``fit`` row on 1 and on 2 GPUs (DDP). The ratio column divides each r
 the ``model-alone`` images/s of the same architecture and mode. ``--compile MODE ...`` runs the rows
 once per mode of the network: ``eager``, ``default`` (compiled) and ``cudagraphs`` (compiled and
 replayed as CUDA graphs), the ``fit`` rows with ``--model.compile`` set to match; without it the
-model alone is eager and the ``fit`` rows take the recipe's ``--model.compile``. The
+rows run the recipe's mode (its ``compile: auto``: ``default`` on CUDA, eager on a CPU), the ``fit``
+rows with the recipe's own ``--model.compile``. Every row's process keeps inductor's caches in
+``OUT/compile_cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder), so the network
+compiles once for all the rows of a mode. The
 table is printed and written to ``OUT/throughput.json``
 (with the hardware and versions) and ``OUT/throughput.png``.
 
@@ -93,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", nargs="*", default=None, choices=list(COMPILE_MODES),
                         help="the network's modes, each a set of rows (model-alone, fit rows): eager, default "
                              "(torch.compile), cudagraphs (compiled and replayed as CUDA graphs, torch.compile's "
-                             "reduce-overhead); --compile alone: default (default: eager)")  # fmt: skip
+                             "reduce-overhead); --compile alone: default (default: the recipe's mode, "
+                             "default on CUDA)")  # fmt: skip
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
                         help="run each row on the first N CPUs per GPU it uses, of those the script may use "
                              "(default: all of them)")  # fmt: skip
@@ -115,9 +119,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-classes", type=int, default=None, help="default 6")
     parser.add_argument("extra", nargs="*", help="more train.py arguments for the fit rows, after --")
     args = parser.parse_args(argv)
-    # None: the model alone eager, the fit rows as the recipe sets --model.compile.
+    # None: the recipe's mode, the fit rows with the recipe's own --model.compile.
     args.modes = [None] if args.compile is None else list(dict.fromkeys(args.compile or ["default"]))
     args.compile = None  # the mode of the rows being run, one of args.modes
+    args.recipe_mode = False  # whether the fit rows leave --model.compile to the recipe
     # The CPUs this process may use when it starts (``taskset`` narrows them), before a row narrows them further.
     args.start_cpus = (
         sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -138,6 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.epochs < 1 or args.model_steps < 1:
         parser.error("--epochs and --model-steps must be at least 1")
     return args
+
+
+def recipe_mode(device: torch.device) -> str:
+    """The mode of the network that ``configs/resnet50.yaml`` trains on ``device``: one of ``COMPILE_MODES``."""
+    import yaml
+
+    asked = yaml.safe_load((REPO / "configs" / "resnet50.yaml").read_text()).get("model", {}).get("compile", False)
+    if asked == "auto":
+        return "default" if device.type == "cuda" else "eager"
+    return {False: "eager", True: "default"}.get(asked, asked)
 
 
 def _sync(device: torch.device) -> None:
@@ -332,7 +347,7 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
     ]  # fmt: skip
     if devices > 1:
         cmd += ["--trainer.strategy", "ddp"]
-    if args.compile is not None:
+    if args.compile is not None and not args.recipe_mode:
         cmd += ["--model.compile", COMPILE_MODES[args.compile]]
     if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
@@ -422,9 +437,12 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))  # runs from a checkout, installed or not
+    from lit_imagenet.compat import user_inductor_cache_dir
     from lit_imagenet.data.synthetic import make_shapes
 
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
+    if user_inductor_cache_dir() is None:  # one cache for this process and every fit row's
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((args.out / "compile_cache").resolve())
     root = make_shapes(args.data, train_per_class=args.train_per_class, val_per_class=args.val_per_class,
                        width=args.width, height=args.height, num_classes=args.num_classes, quality=args.quality,
                        processes=1 if args.smoke else (os.cpu_count() or 1))  # fmt: skip
@@ -453,7 +471,8 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "rows.partial.json").write_text(json.dumps(rows, indent=2, default=str))  # kept if cut short
 
     for arch, mode in [(arch, mode) for arch in args.archs for mode in args.modes]:
-        args.compile = mode
+        args.recipe_mode = mode is None
+        args.compile = recipe_mode(device) if mode is None else mode
         if "model-alone" not in args.skip:
             add("model-alone", arch, 1, model_alone(arch, args, device))
             _reset_memory(device)

@@ -56,7 +56,9 @@ def test_throughput_smoke(tmp_path: Path) -> None:
         assert env[key], key
     assert all(row["compile"] == "eager" for row in rows)
     assert "| fit-nvjpeg | resnet18 | eager | 1 |" in proc.stdout
-    assert "--model.compile" not in (out / "logs" / "fit-pil-resnet18-1dev.log").read_text()  # the recipe's
+    command, log = (out / "logs" / "fit-pil-resnet18-1dev.log").read_text().split("\n", 1)
+    assert "--model.compile" not in command  # the recipe's mode: auto, eager on a CPU
+    assert "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)." in log
 
     png = (out / "throughput.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 1000

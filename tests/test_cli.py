@@ -43,7 +43,7 @@ def test_every_config_parses_and_instantiates(config: Path, shapes_root: Path, t
     if config.name == "resnet50.yaml":
         assert cli.model.hparams.arch == "resnet50" and cli.datamodule.batch_size == 256
         assert cli.datamodule.decoder == "auto"
-        assert cli.model.hparams.milestones == [30, 60, 80]
+        assert cli.model.hparams.milestones == [30, 60, 80] and cli.model.hparams.compile == "auto"
     if config.name == "finetune.yaml":
         assert cli.model.hparams.lr_schedule == "cosine" and cli.model.hparams.freeze_backbone_epochs == 1
 

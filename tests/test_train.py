@@ -194,6 +194,9 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     assert mode("cudagraphs", device="cpu") == ("default", "CUDA graphs need a CUDA device")
     assert mode("cudagraphs", world=2) == ("default", "CUDA graphs are used on one process only; this run has 2")
     assert mode("cudagraphs", accumulate=2)[0] == "default"
+    assert mode("auto") == ("default", "--model.compile auto on a CUDA device; false trains eager")
+    cpu = "--model.compile auto compiles on CUDA devices only; this run trains on cpu"
+    assert mode("auto", device="cpu") == (None, cpu)
     from lit_imagenet.training.precision import ApexAMP
 
     assert mode("cudagraphs", plugin=ApexAMP.__new__(ApexAMP))[0] is None
@@ -205,5 +208,14 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
         "Compile: default (CUDA graphs need a CUDA device)."
     ]
     assert module.model._compiled_call_impl is not None
-    with pytest.raises(ValueError, match="compile must be false, true, default or cudagraphs. Got 'graphs'"):
+    module = ImageClassifier("resnet18", num_classes=3, compile="auto")
+    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        module.setup("fit")
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compile:")] == [
+        "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)."
+    ]
+    assert module.model._compiled_call_impl is None
+    with pytest.raises(ValueError, match="compile must be false, true, auto, default or cudagraphs. Got 'graphs'"):
         ImageClassifier("resnet18", num_classes=3, compile="graphs")

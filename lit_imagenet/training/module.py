@@ -68,13 +68,15 @@ class ImageClassifier(pl.LightningModule):
             ``true`` (or ``default``): compiled. ``cudagraphs``: compiled, and its forward and backward
             passes replayed as CUDA graphs (torch.compile's ``reduce-overhead``), which launch each
             pass's kernels at once; the optimizer step and the learning rate stay outside the graphs.
-            Where a mode cannot run (CUDA graphs off CUDA, under DDP on several processes or with
-            gradient accumulation; any compilation with apex AMP), the run says so in one line and
-            takes the next one down. The first steps take longer while it compiles (the time is
-            logged), and inductor's caches go to ``compile_cache`` under the run's root, where a
-            restart finds them, unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept
-            static: a batch of another size (an epoch's short last batch, validation) gets a graph of its
-            own, where by default it would turn the training graph into one for any batch size.
+            ``auto`` (the recipe's): ``default`` where the network trains on a CUDA device, eager
+            elsewhere, and the run says which in one line. Where a mode cannot run (CUDA graphs off
+            CUDA, under DDP on several processes or with gradient accumulation; any compilation with
+            apex AMP), the run says so in one line and takes the next one down. The first steps take
+            longer while it compiles (the time is logged), and inductor's caches go to
+            ``compile_cache`` under the run's root, where a restart finds them, unless
+            ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept static: a batch of
+            another size (an epoch's short last batch, validation) gets a graph of its own, where by
+            default it would turn the training graph into one for any batch size.
         fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
             same pass. ``None``: on when the parameters are on a CUDA device and the precision is
             Lightning's own (not apex AMP, which manages the optimizer itself).
@@ -96,7 +98,7 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
-        compile: bool | Literal["default", "cudagraphs"] = False,
+        compile: bool | Literal["auto", "default", "cudagraphs"] = False,
         fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
@@ -108,8 +110,8 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must not be negative. Got {freeze_backbone_epochs}")
         if backbone_lr_scale < 0:
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
-        if compile not in (False, True, "default", "cudagraphs"):
-            raise ValueError(f"compile must be false, true, default or cudagraphs. Got {compile!r}")
+        if compile not in (False, True, "auto", "default", "cudagraphs"):
+            raise ValueError(f"compile must be false, true, auto, default or cudagraphs. Got {compile!r}")
         self.save_hyperparameters()
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
@@ -176,9 +178,13 @@ class ImageClassifier(pl.LightningModule):
         trainer = attached_trainer(self)
         if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
             return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
+        device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
+        if asked == "auto":
+            if device.type == "cuda":
+                return "default", "--model.compile auto on a CUDA device; false trains eager"
+            return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
         if asked != "cudagraphs":
             return asked, None
-        device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
         if device.type != "cuda":
             return "default", "CUDA graphs need a CUDA device"
         if trainer is None:
