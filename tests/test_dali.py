@@ -220,11 +220,31 @@ def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_r
     assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
     assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
     assert not list(Path(tempfile.gettempdir()).glob("lit_imagenet_dali_*.txt"))
-    monkeypatch.setattr(SampleTable, "listable", lambda self: False)
-    for got, expected in zip(passes(), listed):
-        assert len(got) == len(expected)
-        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    with monkeypatch.context() as patched:
+        patched.setattr(SampleTable, "listable", lambda self: False)
+        for got, expected in zip(passes(), listed):
+            assert len(got) == len(expected)
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
     assert len(lists) == 2  # lists of paths this time
+
+    # A temporary folder that takes no file: the same batches from lists of paths, and one warning line.
+    from lit_imagenet.data.dali import loader
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(loader.tempfile, "mkstemp", refused)
+    monkeypatch.setattr(loader, "_UNWRITABLE_FOLDERS", set())
+    with pytest.warns(UserWarning) as caught:
+        for got, expected in zip(passes(), listed):
+            assert len(got) == len(expected)
+            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
+    said = [str(w.message) for w in caught if "list file" in str(w.message)]
+    assert said == [
+        f"DALI's readers take lists of paths, slower to build: no list file could be written in "
+        f"{tempfile.gettempdir()} (Permission denied); set TMPDIR to a writable folder to use one."
+    ]
+    assert len(lists) == 2
 
 
 def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import Sampler
 
@@ -52,8 +53,11 @@ _BATCHES_AHEAD = 3
 # process), while the epochs' orders take about a microsecond per sample to draw and 100 bytes to hold.
 PASS_SAMPLES = 262_144
 PASS_EPOCHS = 16
-# The first batches of a long pass come from a pipeline of their own, which builds in a moment; the one of
-# the rest, whose reader takes a list of every file of the pass, is built while they train.
+#: Temporary folders where no list file could be written, in this process (said once each).
+_UNWRITABLE_FOLDERS: set[str] = set()
+# The first batches of a long pass come from a pipeline of their own, whose build does not grow with the
+# dataset's size; the one of the rest, whose reader takes a list of every file of the pass, is built while
+# they train.
 HEAD_BATCHES = 64
 
 
@@ -226,20 +230,17 @@ class DALILoader:
         """The pipeline of samples ``indices``, built.
 
         Its reader takes their list as a file of ``path label`` lines (``SampleTable.listing``), written for
-        it and removed once it is built, or, where the table cannot be listed (``SampleTable.listable``),
-        as lists of paths and labels, which take DALI seconds a million paths to take over, holding the
-        interpreter that the training loop needs meanwhile.
+        it and removed once it is built, or, where the table cannot be listed (``SampleTable.listable``) or
+        no file can be written (``_write_listing``), as lists of paths and labels, which take DALI seconds a
+        million paths to take over, holding the interpreter that the training loop needs meanwhile.
         """
         source: CropSource | GeometrySource
         if seeds is not None:
             source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
-        listed = None
-        if self.samples.listable():
-            handle, listed = tempfile.mkstemp(prefix="lit_imagenet_dali_", suffix=".txt")
-            with os.fdopen(handle, "wb") as out:
-                out.write(self.samples.listing(indices))
+        listed = self._write_listing(indices) if self.samples.listable() else None
+        if listed is not None:
             files: dict[str, Any] = {"files": None, "labels": None, "file_list": listed, "file_root": self.samples.root}
         else:
             files = {"files": self.samples.paths(indices), "labels": self.samples.labels[indices].tolist()}
@@ -256,6 +257,33 @@ class DALILoader:
                 os.unlink(listed)
         return pipe
 
+    def _write_listing(self, indices: np.ndarray) -> str | None:
+        """The path of a temporary file listing samples ``indices`` for a reader; ``None`` where none can be written.
+
+        Where the temporary folder takes no file (read-only, full), the process says so once, in one line, and
+        the readers take lists of paths instead: the same batches, slower to build.
+        """
+        handle, listed = None, None
+        try:
+            handle, listed = tempfile.mkstemp(prefix="lit_imagenet_dali_", suffix=".txt")
+            with os.fdopen(handle, "wb") as out:
+                handle = None
+                out.write(self.samples.listing(indices))
+            return listed
+        except OSError as error:
+            if handle is not None:
+                os.close(handle)
+            if listed is not None and os.path.exists(listed):
+                os.unlink(listed)
+            folder = tempfile.gettempdir()
+            if folder not in _UNWRITABLE_FOLDERS:  # said once a process
+                _UNWRITABLE_FOLDERS.add(folder)
+                rank_zero_warn(
+                    f"DALI's readers take lists of paths, slower to build: no list file could be written in "
+                    f"{folder} ({error.strerror or error}); set TMPDIR to a writable folder to use one."
+                )
+            return None
+
     def _start(self, sampler: Sampler | None = None, split: bool = False) -> _Pass | None:
         """Builds the pipeline of a pass in the sampler's current order; DALI prepares its first batch meanwhile.
 
@@ -268,7 +296,7 @@ class DALILoader:
         the batches need them, and ahead of them in a thread, so nothing is read for the whole pass first.
 
         With ``split``, a pass longer than twice ``head_batches`` starts with a pipeline of its first
-        ``head_batches`` batches alone, which builds in a moment whatever the dataset's size, and the
+        ``head_batches`` batches alone, whose build does not grow with the dataset's size, and the
         pipeline of the rest (``_Pass.rest``) is built in the loader's thread while they train.
         """
         sampler = self.sampler if sampler is None else sampler
