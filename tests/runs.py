@@ -174,3 +174,13 @@ def rank_pid(parent: int, rank: int) -> int:
         if f"LOCAL_RANK={rank}".encode() in environ:
             return pid
     raise AssertionError(f"no process of rank {rank} found among the children of {parent}")
+
+
+def wait_for_file(proc: subprocess.Popen, path: Path, timeout: float) -> None:
+    """Returns once ``path`` is a file; fails the test, with the run's last error output, if ``proc`` ends or
+    ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while not path.is_file():
+        assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else f"the run ended: {proc.returncode}"
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout:g} s"
+        time.sleep(0.05)

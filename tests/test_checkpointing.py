@@ -3,7 +3,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ from lit_imagenet.callbacks import preemption
 from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
 from tests.cli_args import fit_args as _fit_args
+from tests.runs import wait_for_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,12 +135,8 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     first = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
-    deadline = time.monotonic() + 120
     try:
-        while not (first / "last.ckpt").is_file():  # the end of epoch 0: the run is past its start-up
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            assert time.monotonic() < deadline, "no checkpoint after 120 s"
-            time.sleep(0.05)
+        wait_for_file(proc, first / "last.ckpt", 120)  # the end of epoch 0: the run is past its start-up
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

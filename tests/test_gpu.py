@@ -1,6 +1,9 @@
 """GPU behaviour: the same code as on CPU, checked where CUDA exists (skipped elsewhere)."""
 
 import functools
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from lit_imagenet.data.prefetch import CUDAPrefetcher
 from lit_imagenet.data.presets import Uint8Normalize
 
 pytestmark = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _batches(n: int, size: int = 512) -> list[list[torch.Tensor]]:
@@ -226,7 +230,9 @@ class _Losses(pl.Callback):
         self.scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
 
 
-def _graph_fit(root: Path, out: Path, compile_mode, steps: int, **trainer_kwargs) -> tuple[ImageClassifier, _Losses]:
+def _graph_fit(
+    root: Path, out: Path, compile_mode, steps: int, precision: str = "16-mixed", callbacks=(), **trainer_kwargs
+) -> tuple[ImageClassifier, _Losses]:
     from pytorch_lightning.plugins.precision import MixedPrecision
 
     pl.seed_everything(0)
@@ -235,14 +241,25 @@ def _graph_fit(root: Path, out: Path, compile_mode, steps: int, **trainer_kwargs
     dm = ImageFolderDataModule(str(root), batch_size=16, workers=0, crop_size=64, val_resize=72, seed=0)
     model = ImageClassifier("resnet18", num_classes=dm.num_classes, lr=0.05, warmup_epochs=0, compile=compile_mode)
     losses = _Losses()
-    # A first scale of 2**30: the first steps overflow float16, and the scaler skips them and halves the scale.
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**30)
+    if precision == "16-mixed":
+        # A first scale of 2**30: the first steps overflow float16, and the scaler skips them and halves the scale.
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0**30)
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cuda", scaler=scaler)]
+    else:
+        trainer_kwargs["precision"] = precision
     trainer = pl.Trainer(default_root_dir=out, accelerator="gpu", devices=1, max_steps=steps, logger=False,
-                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[losses],
+                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[losses, *callbacks],
                          num_sanity_val_steps=0, limit_val_batches=0, deterministic=True,
-                         plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)], **trainer_kwargs)  # fmt: skip
+                         **trainer_kwargs)  # fmt: skip
     trainer.fit(model, dm)
     return model, losses
+
+
+def _graph_skips() -> int:
+    """How many compiled graphs inductor has run without CUDA graphs in this process (each says why in a warning)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def test_cuda_graph_fit_replays_the_compiled_steps_exactly_overflows_included(
@@ -291,3 +308,122 @@ def test_a_cuda_graph_run_resumes_mid_epoch(learnable_root: Path, tmp_path: Path
     whole, resumed = network(final_checkpoint(tmp_path / "whole")), network(final_checkpoint(tmp_path / "cut"))
     for name in whole:
         torch.testing.assert_close(resumed[name].float(), whole[name].float(), rtol=2e-3, atol=2e-4, msg=name)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_cuda_graphs_train_in_bfloat16_and_float32_as_the_compiled_network_does(
+    learnable_root: Path, tmp_path: Path, caplog, monkeypatch, precision: str
+) -> None:
+    """Replayed as CUDA graphs (none skipped), 30 steps give the losses of the compiled network without graphs, and
+    learn; at the first step, before any update, eager gives the same loss."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile_cache"))
+    skips = _graph_skips()
+    with caplog.at_level("WARNING"):
+        _, graphs = _graph_fit(learnable_root, tmp_path / "graphs", "cudagraphs", 30, precision=precision)
+    reasons = [r.getMessage() for r in caplog.records if "cudagraph" in r.getMessage()]
+    assert _graph_skips() == skips, reasons
+    _, compiled = _graph_fit(learnable_root, tmp_path / "compiled", "default", 30, precision=precision)
+    _, eager = _graph_fit(learnable_root, tmp_path / "eager", False, 2, precision=precision)
+    a, b = torch.tensor(graphs.losses), torch.tensor(compiled.losses)
+    assert torch.allclose(a, b, rtol=1e-3), (a, b)
+    assert abs(a[0] - eager.losses[0]) < (2e-2 if precision == "bf16-mixed" else 2e-3) * eager.losses[0], (a, eager)
+    assert torch.isfinite(a).all() and a[-5:].mean() < 0.7 * a[:5].mean(), a
+
+
+def test_a_nan_inside_a_cuda_graph_stops_the_run_naming_the_step(learnable_root: Path, tmp_path: Path) -> None:
+    """A weight gone NaN makes the graphed step's loss NaN: the guard counts it from the graph's output before the
+    next replay overwrites it, and stops the run naming the step where the bad run began."""
+    from lit_imagenet.callbacks.guard import NonFiniteGuard, NonFiniteLossError
+
+    class PoisonAt(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if trainer.global_step == 5:
+                with torch.no_grad():
+                    pl_module.model.fc.weight.fill_(float("nan"))  # in place: the graphs read this memory
+
+    guard = NonFiniteGuard(max_consecutive=3, check_every_n_steps=1)
+    with pytest.raises(NonFiniteLossError, match="3 consecutive batches from global step 5"):
+        _graph_fit(learnable_root, tmp_path, "cudagraphs", 40, precision="bf16-mixed", callbacks=[guard, PoisonAt()])
+
+
+def _pythonpath() -> str:
+    """This checkout first, then what the environment's ``PYTHONPATH`` named (packages installed beside)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), **(env or {})}
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=420)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def test_the_ddp_strategy_on_one_gpu_replays_cuda_graphs_and_compiles_as_one_process_does(
+    learnable_root: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """``configs/ddp.yaml`` with ``--trainer.devices 1``: with ``cudagraphs`` no fallback, and with the recipe's
+    ``auto`` the compiled network; both end with the weights of a run without DDP."""
+    from tests.cli_args import fit_args
+    from tests.runs import final_checkpoint, network
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile_cache"))  # compiled once for the 3 runs
+
+    def args(out: Path, mode: str, *ddp: str) -> list[str]:
+        (command, *rest) = fit_args(learnable_root, out, "--trainer.accelerator", "gpu", "--trainer.devices", "1",
+                                    "--trainer.precision", "16-mixed", "--model.compile", mode, "--trainer.max_steps",
+                                    "16", "--trainer.deterministic", "true", "--seed_everything", "3",
+                                    "--trainer.limit_val_batches", "0", "--curves.enabled", "false",
+                                    batch_size=16)  # fmt: skip
+        return [command, *ddp, *rest]
+
+    single = _train(args(tmp_path / "single", "cudagraphs"), tmp_path)
+    graphed = _train(args(tmp_path / "ddp", "cudagraphs", "--config", str(REPO / "configs/ddp.yaml")), tmp_path)
+    auto = _train(args(tmp_path / "auto", "auto", "--config", str(REPO / "configs/ddp.yaml")), tmp_path)
+    for done in (single, graphed, auto):
+        assert "Compiled the network and ran its first step in" in done.stdout + done.stderr
+    assert "Compile:" not in graphed.stdout + graphed.stderr  # no fallback
+    assert "Compile: default (--model.compile auto on a CUDA device; false trains eager)." in auto.stdout + auto.stderr
+    assert "Starting with 1 processes" in graphed.stdout + graphed.stderr  # DDP's process group, of one
+    alone = network(final_checkpoint(tmp_path / "single"))
+    for run in ("ddp", "auto"):
+        other = network(final_checkpoint(tmp_path / run))
+        for name in alone:
+            torch.testing.assert_close(other[name].float(), alone[name].float(), rtol=2e-3, atol=2e-4, msg=name)
+
+
+def test_sigterm_stops_a_cuda_graph_run_with_its_console_lines_and_it_resumes(
+    learnable_root: Path, tmp_path: Path
+) -> None:
+    import signal
+
+    from tests.cli_args import fit_args
+    from tests.runs import wait_for_file
+
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile_cache")}
+    common = ("--trainer.accelerator", "gpu", "--trainer.precision", "16-mixed", "--model.compile", "cudagraphs",
+              "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "2",
+              "--curves.enabled", "false")  # fmt: skip
+    args = fit_args(learnable_root, tmp_path, *common, "--trainer.max_epochs", "1000", batch_size=16)
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    try:
+        wait_for_file(proc, checkpoints / "last.ckpt", 300)  # epoch 0 ended: compiled, graphs recorded and replayed
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Stopped by SIGTERM" in err
+    steps = [line for line in out.splitlines() if line.startswith("Epoch 0 [") and " step " in line]
+    assert len(steps) >= 4 and "loss" in steps[-1], out[-3000:]
+    saved = torch.load(checkpoints / "last-step.ckpt", weights_only=True)["global_step"]
+    assert saved >= 9
+    resumed = _train(fit_args(learnable_root, tmp_path, *common, "--trainer.max_steps", str(saved + 3),
+                              "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last", batch_size=16),
+                     tmp_path, env=env)  # fmt: skip
+    assert f"Resuming from {checkpoints / 'last-step.ckpt'}" in resumed.stdout
+    last = tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt"
+    assert torch.load(last, weights_only=True)["global_step"] == saved + 3
