@@ -339,7 +339,9 @@ def _mode_suffix(args: argparse.Namespace) -> str:
     return f"-{args.compile}" if args.compile in ("default", "cudagraphs") else ""
 
 
-def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Path) -> list[str]:
+def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Path, recipe: bool = True) -> list[str]:
+    """``train.py`` arguments of every ``fit`` row; ``recipe``: the row reads ``configs/resnet50.yaml``, whose
+    ``--model.compile`` stands in the recipe's mode."""
     cmd = [
         "--model.arch", arch, "--trainer.devices", str(devices), "--trainer.max_epochs", str(args.epochs),
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
@@ -347,7 +349,7 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
     ]  # fmt: skip
     if devices > 1:
         cmd += ["--trainer.strategy", "ddp"]
-    if args.compile is not None and not args.recipe_mode:
+    if args.compile is not None and not (args.recipe_mode and recipe):
         cmd += ["--model.compile", COMPILE_MODES[args.compile]]
     if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
@@ -365,7 +367,7 @@ def fit_synthetic(arch: str, devices: int, args: argparse.Namespace) -> dict[str
         "--data.crop_size", str(args.crop_size), "--data.num_classes", str(args.num_classes),
         "--data.train_steps", str(args.model_steps), "--data.val_steps", "0", "--data.channels_last", "true",
         "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false",
-        *_common_fit_args(arch, devices, args, out), *args.extra,
+        *_common_fit_args(arch, devices, args, out, recipe=False), *args.extra,
     ]  # fmt: skip
     return _run_fit(name, cmd, args, devices)
 

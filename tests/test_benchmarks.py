@@ -58,6 +58,8 @@ def test_throughput_smoke(tmp_path: Path) -> None:
     assert "| fit-nvjpeg | resnet18 | eager | 1 |" in proc.stdout
     command, log = (out / "logs" / "fit-pil-resnet18-1dev.log").read_text().split("\n", 1)
     assert "--model.compile" not in command  # the recipe's mode: auto, eager on a CPU
+    synthetic = (out / "logs" / "fit-synthetic-resnet18-1dev.log").read_text().split("\n", 1)[0]
+    assert "--model.compile false" in synthetic  # not the recipe's config: the mode is named
     assert "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)." in log
 
     png = (out / "throughput.png").read_bytes()
