@@ -32,8 +32,8 @@ once per mode of the network: ``eager``, ``default`` (compiled) and ``cudagraphs
 replayed as CUDA graphs), the ``fit`` rows with ``--model.compile`` set to match; without it the
 rows run the recipe's mode (its ``compile: auto``: ``default`` on CUDA, eager on a CPU), the ``fit``
 rows with the recipe's own ``--model.compile``. Every row's process keeps inductor's caches in
-``OUT/compile_cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder), so the network
-compiles once for all the rows of a mode. The
+``OUT/compile_cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder); the ``fit`` rows'
+network is not the model alone's graph, so each row's first epoch still compiles much of it. The
 table is printed and written to ``OUT/throughput.json``
 (with the hardware and versions) and ``OUT/throughput.png``.
 
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     from lit_imagenet.data.synthetic import make_shapes
 
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    if user_inductor_cache_dir() is None:  # one cache for this process and every fit row's
+    if user_inductor_cache_dir() is None:  # one cache folder for this process and every fit row's
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((args.out / "compile_cache").resolve())
     root = make_shapes(args.data, train_per_class=args.train_per_class, val_per_class=args.val_per_class,
                        width=args.width, height=args.height, num_classes=args.num_classes, quality=args.quality,
