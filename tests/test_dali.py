@@ -1,5 +1,6 @@
 """The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
 
+import gc
 import os
 import shutil
 import subprocess
@@ -18,11 +19,13 @@ from PIL import Image
 from lit_imagenet.data.crops import crop_draws, crop_window, crop_windows, flips
 from lit_imagenet.data.dali.loader import DALILoader, batch_dtype, dali_install_command
 from lit_imagenet.data.datamodule import ImageFolderDataModule, choose_decoder
+from lit_imagenet.data.prefetch import PrefetchLoader
 from lit_imagenet.data.presets import IMAGENET_STD, Uint8Normalize
 from lit_imagenet.data.samplers import EpochSeededSampler, UnpaddedDistributedSampler
 from lit_imagenet.errors import ConfigError, DataError
 from tests.cli_args import fit_args
 from tests.runs import final_checkpoint, network
+from tests.test_data import _CollectsGarbage
 from tests.test_resume import _start, kill_when
 
 STD_255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
@@ -632,3 +635,21 @@ def test_a_long_pass_starts_with_a_pipeline_of_its_first_batches_and_goes_on_in_
     resumed = loader(head=1)
     resumed.sampler.resume_at(0, 5)  # the first batch was trained on
     assert all(torch.equal(a[0], b[0]) for a, b in zip(list(resumed), expected[0][1:], strict=True))
+
+
+def test_loader_workers_forked_after_a_dali_pipeline_became_garbage_keep_running(shapes_root: Path) -> None:
+    """A pipeline left in a garbage cycle, freed by a worker's collector, would end the worker with a segfault."""
+
+    class Cycle:
+        pass
+
+    gc.disable()
+    try:
+        cycle = Cycle()
+        cycle.cycle, cycle.loader = cycle, _module(shapes_root).train_dataloader()
+        next(iter(cycle.loader))  # its pipelines built and running
+        del cycle
+        assert len(list(PrefetchLoader(_CollectsGarbage(), batch_size=2, num_workers=1))) == 2  # collects in the worker
+    finally:
+        gc.enable()
+    gc.collect()

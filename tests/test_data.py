@@ -1,4 +1,7 @@
+import gc
 import multiprocessing
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -7,9 +10,11 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
+from lit_imagenet.data import folders
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.datasets import collate_uint8
 from lit_imagenet.data.images import load_rgb, load_rgb_tensor
+from lit_imagenet.data.prefetch import PrefetchLoader
 from lit_imagenet.data.samplers import UnpaddedDistributedSampler
 from lit_imagenet.errors import DataError
 from lit_imagenet.training.module import ImageClassifier
@@ -342,3 +347,57 @@ def test_training_runs_without_the_evaluation_workers_by_default(
                          callbacks=[CountWorkers()], default_root_dir=tmp_path)  # fmt: skip
     trainer.fit(model, dm)
     assert counted == [2, 2, 2, 2]  # the sanity check's and epoch 0's validation workers stopped
+
+
+class _FreedCycle:
+    """An object in a garbage cycle whose destructor writes down the process that ran it."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.cycle = self
+
+    def __del__(self) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+class _CollectsGarbage(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        gc.collect()
+        return torch.tensor(i)
+
+
+def _freed_by(log: Path, forks: Callable[[], object]) -> list[str]:
+    """The processes that ran the destructor of a garbage cycle left uncollected while ``forks`` forked."""
+    gc.disable()
+    try:
+        _FreedCycle(log)
+        forks()
+    finally:
+        gc.enable()
+    gc.collect()
+    return log.read_text().split()
+
+
+def test_loader_workers_leave_the_parents_garbage_alone(tmp_path: Path) -> None:
+    """A worker's collector must not free the parent's cycles: a DALI pipeline's destructor there ends the worker."""
+    loader = PrefetchLoader(_CollectsGarbage(), batch_size=2, num_workers=1)
+    assert _freed_by(tmp_path / "freed", lambda: list(loader)) == [str(os.getpid())]
+
+
+_walk_class = folders._walk_class
+
+
+def _walk_and_collect(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
+    gc.collect()
+    return _walk_class(split_dir, name)
+
+
+def test_the_scan_processes_leave_the_parents_garbage_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _make_split(tmp_path, "train", {f"c{k:02d}": 1 for k in range(64)})  # enough classes for processes
+    monkeypatch.setattr(folders, "_walk_class", _walk_and_collect)
+    freed = _freed_by(tmp_path / "freed", lambda: folders.scan_split(tmp_path / "train", processes=2))
+    assert freed == [str(os.getpid())]

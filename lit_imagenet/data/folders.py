@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable, Scan, cached_scan
 from lit_imagenet.errors import DataError, undecodable_image
 
@@ -89,7 +90,7 @@ def _walk_classes(split_dir: str, classes: list[str], processes: int) -> list[tu
     if processes > 1 and len(classes) >= 64 and sys.platform.startswith("linux"):
         context = multiprocessing.get_context("fork")
         chunk = max(1, len(classes) // (4 * processes))
-        with ProcessPoolExecutor(min(processes, len(classes)), mp_context=context) as pool:
+        with forks_skip_parent_garbage(), ProcessPoolExecutor(min(processes, len(classes)), mp_context=context) as pool:
             return list(pool.map(_walk_class, [split_dir] * len(classes), classes, chunksize=chunk))
     return [_walk_class(split_dir, name) for name in classes]
 

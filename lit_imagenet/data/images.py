@@ -21,6 +21,7 @@ from PIL import Image
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_image, read_file
 
+from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable
 from lit_imagenet.errors import DataError, undecodable_image
 
@@ -247,7 +248,8 @@ class ImageSizes:
             _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
             prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
         )  # fmt: skip
-        chunks = iter(loader)
+        with forks_skip_parent_garbage():
+            chunks = iter(loader)
         try:
             for indices, sizes in chunks:
                 found = sizes[:, 0] > 0

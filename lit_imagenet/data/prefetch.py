@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lit_imagenet.compat import stop_workers
+from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.data.samplers import moves_by_epoch
 
@@ -211,7 +212,12 @@ class PrefetchLoader(DataLoader):
     def _start_next_epoch(self) -> None:
         epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
         self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        self._next_epoch = (epoch, super().__iter__())
+        self._next_epoch = (epoch, self._new_pass())
+
+    def _new_pass(self) -> Iterator[Any]:
+        # DataLoader's iterator forks the workers (the first time, for persistent ones).
+        with forks_skip_parent_garbage():
+            return super().__iter__()
 
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
         """Yields the pass's batches; on its last one, starts the workers on the next epoch or stops them.
@@ -248,7 +254,7 @@ class PrefetchLoader(DataLoader):
         if early is not None and early[0] == getattr(self.sampler, "epoch", None):
             source = early[1]  # started when the last epoch ran out, for the epoch asked for now
         else:
-            source = super().__iter__()
+            source = self._new_pass()
         if self._stops_workers_with_each_pass():
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
