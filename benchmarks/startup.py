@@ -15,11 +15,13 @@ runs, each in a process group of its own:
 For each run it reports the seconds from launch to the first logged step (the line of step 10:
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
 ``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
-worker, read from ``/proc/PID/smaps_rollup`` every half second). The table is printed and written
-to ``OUT/startup.json``, after rows that time the interpreter's imports alone (``torch`` and
-``torchvision``, what the reference imports; pytorch-lightning, torchmetrics and jsonargparse, each
-alone; ``lit_imagenet.cli``, what ``train.py`` imports, also split by package from ``python -X
-importtime``): the part of a start that no data path can shorten. Caches are left warm: the tree was just built or used.
+worker, read from ``/proc/PID/smaps_rollup`` every half second) and, for a compiled network, the
+seconds its first step took, compiling or reading the compiler caches (the line ``train.py`` prints).
+The table is printed and written to ``OUT/startup.json``, after rows that time the interpreter's
+imports alone (``torch`` and ``torchvision``, what the reference imports; pytorch-lightning,
+torchmetrics and jsonargparse, each alone; ``lit_imagenet.cli``, what ``train.py`` imports, also
+split by package from ``python -X importtime``): the part of a start that no data path can shorten.
+Caches are left warm: the tree was just built or used.
 Each run's record also holds the lines it printed before its first step, each with its second.
 
 With ``--lean`` the imports and a third start of each decoder (a restart) run again with only the
@@ -58,6 +60,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 OURS = re.compile(r"^Epoch \d+ \[\d+/\d+\] step (\d+)")
 REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
+# The line ours prints once the compiled network's first step ends (--model.compile): the compile's share.
+COMPILED = re.compile(r"^Compiled the network and ran its first step in ([\d.]+) s")
 _MARKER = ".links.json"
 
 
@@ -257,9 +261,13 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     killer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
     killer.start()
     assert proc.stdout is not None
+    compiled_step: float | None = None
     for line in proc.stdout:
         now = time.monotonic() - began
         lines.append(f"{now:8.2f} {line}")
+        compiled = COMPILED.search(line)
+        if compiled:
+            compiled_step = float(compiled.group(1))
         match = pattern.search(line)
         if match:
             # Ours: the global step, which goes on across epochs; the reference's: the batch of its first
@@ -283,6 +291,7 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         "first_step": first,
         "seconds_to_first_step": seen.get(first) if first is not None else None,
         "peak_pss_gib": round(peak[0], 2),
+        "first_compiled_step_seconds": compiled_step,  # None for an eager run
         "log": str(log),
         "timed_out": timed_out,
         # Where the start goes: each line printed up to the first step, with its second.
@@ -422,14 +431,16 @@ def main(argv: list[str] | None = None) -> int:
     report = {"tree": {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)},
               "machine": machine, "rows": rows, "import_seconds_by_package": by_package}  # fmt: skip
     (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\n{'run':<28} {'first step (s)':>15} {'images/s':>10} {'peak PSS (GiB)':>15}")
+    print(f"\n{'run':<28} {'first step (s)':>15} {'compiled step (s)':>18} {'images/s':>10} {'peak PSS (GiB)':>15}")
     for row in rows:
         if "seconds" in row:  # an import row: the seconds the interpreter took
             print(f"{row['run']:<28} {row['seconds']:>15.1f}")
             continue
         first = f"{row['seconds_to_first_step']:.1f}" if row["seconds_to_first_step"] is not None else "-"
         rate = f"{row['images_per_sec']:,}" if "images_per_sec" in row else "-"
-        print(f"{row['run']:<28} {first:>15} {rate:>10} {row['peak_pss_gib']:>15.2f}")
+        compiled = row.get("first_compiled_step_seconds")
+        compiled = f"{compiled:.1f}" if compiled is not None else "-"
+        print(f"{row['run']:<28} {first:>15} {compiled:>18} {rate:>10} {row['peak_pss_gib']:>15.2f}")
     for what, seconds_by_package in by_package.items():
         print(f"\nimport {what}, seconds by package: "
               + ", ".join(f"{name} {seconds:.2f}" for name, seconds in seconds_by_package.items()))  # fmt: skip

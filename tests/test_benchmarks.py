@@ -292,12 +292,18 @@ def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -
     assert (site / "torch").is_symlink() and not (site / "_pytest").exists()
 
 
-def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> None:
+def _startup_module():
+    """``benchmarks/startup.py``, imported as a module."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from startup import OURS, run
+        import startup
     finally:
         sys.path.pop(0)
+    return startup
+
+
+def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> None:
+    startup = _startup_module()
     lines = [
         "Epoch 0 [1/2] step 1 | x",
         "Epoch 0 [2/2] step 2 | x",
@@ -305,7 +311,8 @@ def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> 
         "Epoch 1 [2/2] step 4 | x",
     ]
     code = f"import time\nfor line in {lines!r}:\n    print(line, flush=True)\n    time.sleep(0.2)\ntime.sleep(30)"
-    row = run("two epochs", [sys.executable, "-c", code], tmp_path, 4, OURS, 8, 20, dict(os.environ), steady_from=2)
+    cmd = [sys.executable, "-c", code]
+    row = startup.run("two epochs", cmd, tmp_path, 4, startup.OURS, 8, 20, dict(os.environ), steady_from=2)
     assert row["first_step"] == 1 and not row["timed_out"]
     assert 8 * 2 / 0.6 < row["images_per_sec"] < 8 * 2 / 0.3  # steps 2 to 4, 0.4 s apart; stopped at step 4
 
@@ -329,3 +336,13 @@ def test_startup_benchmark_with_bytecode_runs_every_process_on_one_filled_cache(
     assert (ours / f"cli.{tag}.pyc").is_file()  # written by the import before the rows
     pil = out / "pycache" / str(Path(PIL.__file__).parent).lstrip(os.sep)
     assert (pil / f"JpegImagePlugin.{tag}.pyc").is_file()  # and by the runs: PIL imports it at the first JPEG
+
+
+def test_startup_rows_take_the_compiled_first_step_from_its_line(tmp_path: Path) -> None:
+    startup = _startup_module()
+    step = "Epoch 0 [10/5005] step 10 | 0.459 s/step | 558 images/s | loss 7.0564"
+    compiled = "Compiled the network and ran its first step in 3.4 s (compiler caches: /runs/compile_cache)."
+    for name, printed, seconds in (("compiled", [compiled, step], 3.4), ("eager", [step], None)):
+        cmd = [sys.executable, "-c", f"print({chr(10).join(printed)!r})"]
+        row = startup.run(name, cmd, tmp_path, 10, startup.OURS, 256, 60, dict(os.environ))
+        assert row["first_step"] == 10 and row["first_compiled_step_seconds"] == seconds and not row["timed_out"]
