@@ -242,23 +242,29 @@ def test_step_timeline_times_an_epoch_resumed_part_way(shapes_root: Path, tmp_pa
         assert 0 < s["epoch_s"] < 60 and s["head_s"] + s["steps_s"] + s["tail_s"] == pytest.approx(s["epoch_s"])
 
 
-def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_restart(tmp_path: Path) -> None:
+def _startup_module():
+    """``benchmarks/startup.py``, imported as a module."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from startup import build_tree, main
+        import startup
     finally:
         sys.path.pop(0)
+    return startup
+
+
+def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_restart(tmp_path: Path) -> None:
+    startup = _startup_module()
     sources = []
     for k in range(3):
         (tmp_path / "src").mkdir(exist_ok=True)
         sources.append(tmp_path / "src" / f"{k}.jpg")
         sources[-1].write_bytes(b"\xff\xd8\xff" + bytes([k]))
-    tree = build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3)
+    tree = startup.build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3)
     assert sorted(len(list(d.iterdir())) for d in (tree / "train").iterdir()) == [3, 3, 4]
     assert sum(1 for _ in (tree / "val").rglob("*.JPEG")) == 4 and os.stat(sources[0]).st_nlink == 1 + 5
-    assert build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3) == tree  # kept, not made again
+    assert startup.build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3) == tree  # kept, not made again
     out = tmp_path / "startup"
-    assert main(["--out", str(out), "--smoke"]) == 0
+    assert startup.main(["--out", str(out), "--smoke"]) == 0
     report = json.loads((out / "startup.json").read_text())
     imports, rows = report["rows"][:5], report["rows"][5:]
     assert imports[-1]["run"] == "imports: lit_imagenet.cli" and all(r["seconds"] > 0 for r in imports)
@@ -274,13 +280,9 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
 
 def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
     """``startup.py --lean`` runs with only what the package requires importable: other packages are not probed."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from startup import install_requires, lean_site
-    finally:
-        sys.path.pop(0)
-    assert {"torch", "pytorch-lightning", "torchmetrics", "jsonargparse[signatures]"} <= set(install_requires())
-    site = lean_site(tmp_path / "lean", install_requires())
+    startup = _startup_module()
+    assert {"torch", "pytorch-lightning", "torchmetrics", "jsonargparse[signatures]"} <= set(startup.install_requires())
+    site = startup.lean_site(tmp_path / "lean", startup.install_requires())
     code = (
         "import importlib.util, lit_imagenet.cli, sys; "
         "print(importlib.util.find_spec('pytest') is None, 'pytest' in sys.modules, len(sys.modules))"
@@ -290,16 +292,6 @@ def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[:2] == ["True", "False"]
     assert (site / "torch").is_symlink() and not (site / "_pytest").exists()
-
-
-def _startup_module():
-    """``benchmarks/startup.py``, imported as a module."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import startup
-    finally:
-        sys.path.pop(0)
-    return startup
 
 
 def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> None:
@@ -321,14 +313,10 @@ def test_startup_benchmark_with_bytecode_runs_every_process_on_one_filled_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``startup.py --bytecode``: compiled once before the rows, read by every run, even where writing is turned off."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from startup import main
-    finally:
-        sys.path.pop(0)
+    startup = _startup_module()
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     out = tmp_path / "startup"
-    assert main(["--out", str(out), "--smoke", "--no-imports", "--bytecode"]) == 0
+    assert startup.main(["--out", str(out), "--smoke", "--no-imports", "--bytecode"]) == 0
     rows = json.loads((out / "startup.json").read_text())["rows"]
     assert [r["run"] for r in rows] == ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)"]
     tag = sys.implementation.cache_tag
