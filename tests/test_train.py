@@ -93,54 +93,9 @@ def test_compile_keeps_parameter_names(tmp_path: Path) -> None:
     compiled = ImageClassifier("resnet18", num_classes=3, compile=True)
     compiled.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     compiled.setup("fit")
-    compiled.finish_compiling()
     assert compiled.model._compiled_call_impl is not None
     assert list(compiled.state_dict()) == list(plain.state_dict())
     plain.load_state_dict(compiled.state_dict())
-
-
-def test_the_network_compiles_beside_the_set_up_and_its_first_forward_pass_waits_for_it(monkeypatch) -> None:
-    """``setup`` returns while ``compile()`` (which imports inductor) still runs; ``forward`` waits for it."""
-    import threading
-    import time
-
-    events: list[str] = []
-    release = threading.Event()
-
-    def slow_compile(self, *args, **kwargs) -> None:
-        events.append(f"compile in {threading.current_thread().name}")
-        release.wait(10)
-        self._compiled_call_impl = self._call_impl  # what nn.Module.compile sets, without compiling
-        events.append("compiled")
-
-    monkeypatch.setattr(torch.nn.Module, "compile", slow_compile)
-    module = ImageClassifier("resnet18", num_classes=3, channels_last=False, compile=True)
-    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
-    module.setup("fit")
-    events.append("set up")
-    threading.Timer(0.3, release.set).start()
-    start = time.perf_counter()
-    with torch.no_grad():
-        module(torch.randn(2, 3, 32, 32))
-    events.append("forward")
-    assert time.perf_counter() - start >= 0.25  # it waited for the compile() call
-    assert events.index("set up") < events.index("compiled") < events.index("forward")
-    assert events[0] == "compile in compile"
-    assert module.model._compiled_call_impl is not None and module._compiling is None
-
-
-def test_an_error_of_the_compile_call_is_raised_by_the_first_forward_pass(monkeypatch) -> None:
-    def failing_compile(self, *args, **kwargs) -> None:
-        raise RuntimeError("no compiler for this network")
-
-    monkeypatch.setattr(torch.nn.Module, "compile", failing_compile)
-    module = ImageClassifier("resnet18", num_classes=3, channels_last=False, compile=True)
-    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
-    module.setup("fit")
-    with pytest.raises(RuntimeError, match="no compiler for this network"), torch.no_grad():
-        module(torch.randn(2, 3, 32, 32))
-    with torch.no_grad():  # raised once; the network stays eager
-        assert module(torch.randn(2, 3, 32, 32)).shape == (2, 3)
 
 
 @pytest.mark.parametrize("given", ["unset", "default", "chosen"])
@@ -217,7 +172,6 @@ def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -
     torch._dynamo.reset()
     module = ImageClassifier("resnet18", num_classes=3, channels_last=False, compile=True)
     module.setup("fit")
-    module.finish_compiling()
     try:
         for size in (4, 4, 2, 4):
             module.model(torch.randn(size, 3, 32, 32))
@@ -253,7 +207,6 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compile:")] == [
         "Compile: default (CUDA graphs need a CUDA device)."
     ]
-    module.finish_compiling()
     assert module.model._compiled_call_impl is not None
     module = ImageClassifier("resnet18", num_classes=3, compile="auto")
     module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
@@ -263,6 +216,6 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compile:")] == [
         "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)."
     ]
-    assert module.model._compiled_call_impl is None and module._compiling is None
+    assert module.model._compiled_call_impl is None
     with pytest.raises(ValueError, match="compile must be false, true, auto, default or cudagraphs. Got 'graphs'"):
         ImageClassifier("resnet18", num_classes=3, compile="graphs")

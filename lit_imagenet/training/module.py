@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from typing import Any, Literal
 
 import pytorch_lightning as pl
@@ -37,22 +35,6 @@ from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_acc
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
 from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
-
-
-def _call_in_thread(fn: Any, *args: Any, **kwargs: Any) -> Future[None]:
-    """Calls ``fn`` in a daemon thread of its own; the future holds its end, or what it raised."""
-    done: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            fn(*args, **kwargs)
-        except BaseException as error:  # handed to the thread that waits for it
-            done.set_exception(error)
-        else:
-            done.set_result(None)
-
-    threading.Thread(target=run, name="compile", daemon=True).start()
-    return done
 
 
 class ImageClassifier(pl.LightningModule):
@@ -150,7 +132,6 @@ class ImageClassifier(pl.LightningModule):
         #: sets it from ``--prefetch.*``.
         self.prefetch = CUDAPrefetch()
         self._compiled = False
-        self._compiling: Future[None] | None = None  # the network's compile() call, under way in a thread
         self._graphed = False  # the network replayed as CUDA graphs (``compile: cudagraphs``)
         self._compile_clock: float | None = None  # the first compiled step's start, 0 until it starts
         self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
@@ -159,8 +140,6 @@ class ImageClassifier(pl.LightningModule):
     @override
     def forward(self, images: Tensor) -> Tensor:
         """Logits for a batch of normalised float images, or of uint8 images in [0, 255]."""
-        if self._compiling is not None:
-            self.finish_compiling()
         if images.dtype == torch.uint8:
             # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
             weight = next(self.model.parameters())
@@ -188,25 +167,10 @@ class ImageClassifier(pl.LightningModule):
                     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
                         os.path.join(trainer.default_root_dir, "compile_cache")
                     )
-                # compile() imports inductor (about a second): in a thread, it runs while this one sets up
-                # the run and waits for the loader's first batch. The first forward pass waits for it.
-                self._compiling = _call_in_thread(
-                    self.model.compile, dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None
-                )
+                self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
                 self._graphed = mode == "cudagraphs"
                 self._compile_clock = 0.0  # started by the first training batch
             self._compiled = True
-
-    def finish_compiling(self) -> None:
-        """Waits until the network is compiled, if ``setup`` started its compilation; raises what compiling raised.
-
-        ``setup`` compiles the network in a background thread, so that its imports run while the run
-        sets up and the loader starts; ``forward`` calls this first, so no batch goes through a
-        network that is half set up.
-        """
-        compiling, self._compiling = self._compiling, None
-        if compiling is not None:
-            compiling.result()
 
     def _compile_mode(self) -> tuple[str | None, str | None]:
         """The compilation this run can have of the one asked for (``compile``), and why not the one asked for."""
