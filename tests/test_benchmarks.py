@@ -269,7 +269,10 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     imports, rows = report["rows"][:5], report["rows"][5:]
     assert imports[-1]["run"] == "imports: lit_imagenet.cli" and all(r["seconds"] > 0 for r in imports)
     by_package = report["import_seconds_by_package"]["lit_imagenet.cli"]
-    assert {"torch", "pytorch_lightning", "lit_imagenet"} <= set(by_package) and sum(by_package.values()) > 0.5
+    # The 15 packages that took longest, and the rest as "other": this package's own modules rank where the
+    # machine's load puts them, torch and Lightning always among the largest.
+    assert {"torch", "pytorch_lightning"} <= set(by_package) and len(by_package) <= 16
+    assert sum(by_package.values()) > 0.5 and ("lit_imagenet" in by_package or "other" in by_package)
     assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
