@@ -10,7 +10,9 @@ runs, each in a process group of its own:
   that runs without apex), with its ``--workers``;
 * ``train.py fit --config configs/resnet50.yaml`` as shipped, once per ``--decoders`` entry, twice:
   a first run with an empty index folder and run folder, then a restart in the same folders, as a
-  requeued job: it finds the index, and with ``--model.compile`` the compiler caches.
+  requeued job: it finds the index, and with ``--model.compile`` the compiler caches. ``--restarts N``
+  restarts N times, one row each (``restart``, ``restart 2``, ...): a restart's time varies from one
+  to the next.
 
 For each run it reports the seconds from launch to the first logged step (the line of step 10:
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
@@ -316,6 +318,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="the step a first run stops at (default 400)")
     parser.add_argument("--steady-from", type=int, default=None, help="throughput from this step on (default 100)")
     parser.add_argument("--restart-steps", type=int, default=None, help="the step a restart stops at (default 10)")
+    parser.add_argument("--restarts", type=int, default=1,
+                        help="restarts of each decoder after its first run, one row each (default 1)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=15, help="the reference's --workers (the recipe's 15)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is stopped")
     parser.add_argument("--label", default="", help="added to the names of this call's runs (e.g. for the extra)")
@@ -329,6 +333,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
     args = parser.parse_args(argv)
+    if args.restarts < 1:
+        parser.error(f"--restarts must be at least 1. Got {args.restarts}")
     full = {"tree": Path("/tmp/imagenet_links"), "sources": 25_602, "train": 1_281_167, "val": 50_000,
             "classes": 1000, "steps": 400, "steady_from": 100, "restart_steps": 10, "decoders": ["auto"]}  # fmt: skip
     smoke = {"tree": args.out / "tree", "sources": 8, "train": 60, "val": 12, "classes": 4, "steps": 3,
@@ -401,9 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         tag = f"{decoder} {args.label}".strip()
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
         index = args.out / f"index-{slug}"
-        attempts = [
-            ("first run", args.steps, [sys.executable], env),
-            ("restart", args.restart_steps, [sys.executable], env),
+        attempts = [("first run", args.steps, [sys.executable], env)]
+        attempts += [
+            ("restart" if k == 1 else f"restart {k}", args.restart_steps, [sys.executable], env)
+            for k in range(1, args.restarts + 1)
         ]
         attempts += [
             (f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in pythons[1:]

@@ -319,9 +319,11 @@ def test_startup_benchmark_with_bytecode_runs_every_process_on_one_filled_cache(
     startup = _startup_module()
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     out = tmp_path / "startup"
-    assert startup.main(["--out", str(out), "--smoke", "--no-imports", "--bytecode"]) == 0
+    assert startup.main(["--out", str(out), "--smoke", "--no-imports", "--bytecode", "--restarts", "2"]) == 0
     rows = json.loads((out / "startup.json").read_text())["rows"]
-    assert [r["run"] for r in rows] == ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)"]
+    named = ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)", "pil, restart 2 (bytecode cached)"]
+    assert [r["run"] for r in rows] == named
+    assert len(list((out / "runs" / "pil").rglob("version_*"))) == 3  # each restart in the first run's folder
     tag = sys.implementation.cache_tag
     ours = out / "pycache" / str(REPO).lstrip(os.sep) / "lit_imagenet"
     assert (ours / f"cli.{tag}.pyc").is_file()  # written by the import before the rows
