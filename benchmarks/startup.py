@@ -24,6 +24,8 @@ imports alone (``torch`` and ``torchvision``, what the reference imports; pytorc
 torchmetrics and jsonargparse, each alone; ``lit_imagenet.cli``, what ``train.py`` imports, also
 split by package from ``python -X importtime``): the part of a start that no data path can shorten.
 Caches are left warm: the tree was just built or used.
+The report is written again after each row, with ``"complete": false`` until the last: a call stopped
+by its time limit keeps the rows it had.
 Each run's record also holds the lines it printed before its first step, each with its second.
 
 With ``--lean`` the imports and a third start of each decoder (a restart) run again with only the
@@ -373,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
                    "--data.batch_size", str(batch), "--data.crop_size", "16", "--data.val_resize", "16",
                    "--data.workers", "1", "--trainer.log_every_n_steps", "1"]  # fmt: skip
     rows: list[dict[str, Any]] = []
+    by_package: dict[str, dict[str, float]] = {}
+    tree_info = {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)}
+
+    def add(row: dict[str, Any]) -> None:
+        """Keeps a row, prints it, and writes the report so far: a call stopped by its time limit keeps its rows."""
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        partial = {"tree": tree_info, "machine": None, "rows": rows, "import_seconds_by_package": by_package,
+                   "complete": False}  # fmt: skip
+        (args.out / "startup.json").write_text(json.dumps(partial, indent=2) + "\n")
+
     # Each interpreter setting the imports and the restarts run under: its row suffix, command, environment.
     pythons: list[tuple[str, list[str], dict[str, str]]] = [("", [sys.executable], env)]
     if args.lean:
@@ -385,24 +398,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     for _, python, run_env in pythons if args.bytecode else []:
         subprocess.run([*python, "-c", WARM_IMPORTS], cwd=REPO, env=run_env, check=True)
-    by_package: dict[str, dict[str, float]] = {}
     for suffix, python, run_env in pythons if not args.no_imports else []:
         for what, code in IMPORTS:
             began = time.monotonic()
             subprocess.run([*python, "-c", code], cwd=REPO, env=run_env, check=True)
-            rows.append({"run": what + suffix + named, "seconds_to_first_step": None,
-                         "seconds": round(time.monotonic() - began, 2)})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
+            add({"run": what + suffix + named, "seconds_to_first_step": None,
+                 "seconds": round(time.monotonic() - began, 2)})  # fmt: skip
         timed = subprocess.run([*python, "-X", "importtime", "-c", "import lit_imagenet.cli"], cwd=REPO, env=run_env,
                                check=True, capture_output=True, text=True)  # fmt: skip
         by_package["lit_imagenet.cli" + suffix + named] = import_seconds_by_package(timed.stderr)
     if args.reference is not None:
         cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        rows.append(
-            run("reference" + named, cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from)
-        )
-        print(json.dumps(rows[-1]), flush=True)
+        add(run("reference" + named, cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from))
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
@@ -425,8 +433,7 @@ def main(argv: list[str] | None = None) -> int:
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
             if attempt == "first run":
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
-            rows.append(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from))
-            print(json.dumps(rows[-1]), flush=True)
+            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         import torch
@@ -435,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        for i in range(torch.cuda.device_count())])  # fmt: skip
     except ImportError:
         pass
-    report = {"tree": {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)},
-              "machine": machine, "rows": rows, "import_seconds_by_package": by_package}  # fmt: skip
+    report = {"tree": tree_info, "machine": machine, "rows": rows, "import_seconds_by_package": by_package,
+              "complete": True}  # fmt: skip
     (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"\n{'run':<28} {'first step (s)':>15} {'compiled step (s)':>18} {'images/s':>10} {'peak PSS (GiB)':>15}")
     for row in rows:

@@ -266,6 +266,7 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     out = tmp_path / "startup"
     assert startup.main(["--out", str(out), "--smoke"]) == 0
     report = json.loads((out / "startup.json").read_text())
+    assert report["complete"] is True and report["machine"]["cpus"] >= 1
     imports, rows = report["rows"][:5], report["rows"][5:]
     assert imports[-1]["run"] == "imports: lit_imagenet.cli" and all(r["seconds"] > 0 for r in imports)
     by_package = report["import_seconds_by_package"]["lit_imagenet.cli"]
@@ -279,6 +280,27 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
+
+
+def test_a_startup_call_stopped_part_way_keeps_the_rows_it_had(tmp_path: Path, monkeypatch) -> None:
+    """The report is written after every row: a call ended by its time limit during its second run keeps the first."""
+    startup = _startup_module()
+    calls = []
+
+    def run(name, *args, **kwargs):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a time limit's signal does to the call, part-way through a run
+        return {"run": name, "first_step": 1, "seconds_to_first_step": 2.5, "peak_pss_gib": 0.1, "timed_out": False}
+
+    monkeypatch.setattr(startup, "run", run)
+    out = tmp_path / "startup"
+    with pytest.raises(KeyboardInterrupt):
+        startup.main(["--out", str(out), "--smoke", "--no-imports", "--tree", str(tmp_path / "tree")])
+    report = json.loads((out / "startup.json").read_text())
+    assert calls == ["pil, first run", "pil, restart"]
+    assert [r["run"] for r in report["rows"]] == ["pil, first run"] and report["complete"] is False
+    assert report["tree"]["train"] > 0 and report["machine"] is None
 
 
 def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
