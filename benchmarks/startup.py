@@ -378,13 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     by_package: dict[str, dict[str, float]] = {}
     tree_info = {"train": args.train, "val": args.val, "classes": args.classes, "sources": len(sources)}
 
+    def write_report(machine: dict[str, Any] | None) -> None:
+        """The report so far; complete once the machine's entry, read after the last run, is given."""
+        report = {"tree": tree_info, "machine": machine, "rows": rows, "import_seconds_by_package": by_package,
+                  "complete": machine is not None}  # fmt: skip
+        (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
+
     def add(row: dict[str, Any]) -> None:
         """Keeps a row, prints it, and writes the report so far: a call stopped by its time limit keeps its rows."""
         rows.append(row)
         print(json.dumps(row), flush=True)
-        partial = {"tree": tree_info, "machine": None, "rows": rows, "import_seconds_by_package": by_package,
-                   "complete": False}  # fmt: skip
-        (args.out / "startup.json").write_text(json.dumps(partial, indent=2) + "\n")
+        write_report(None)
 
     # Each interpreter setting the imports and the restarts run under: its row suffix, command, environment.
     pythons: list[tuple[str, list[str], dict[str, str]]] = [("", [sys.executable], env)]
@@ -442,9 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                                                        for i in range(torch.cuda.device_count())])  # fmt: skip
     except ImportError:
         pass
-    report = {"tree": tree_info, "machine": machine, "rows": rows, "import_seconds_by_package": by_package,
-              "complete": True}  # fmt: skip
-    (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
+    write_report(machine)
     print(f"\n{'run':<28} {'first step (s)':>15} {'compiled step (s)':>18} {'images/s':>10} {'peak PSS (GiB)':>15}")
     for row in rows:
         if "seconds" in row:  # an import row: the seconds the interpreter took
