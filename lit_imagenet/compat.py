@@ -219,3 +219,10 @@ def user_inductor_cache_dir() -> str | None:
         utils = None  # named by the error below
     default = _private(utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
     return None if os.path.abspath(value) == os.path.abspath(default) else value
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """Graphs this process has compiled so far: found in inductor's caches (``hits``) and compiled anew (``misses``)."""
+    utils: Any = importlib.import_module("torch._dynamo.utils")
+    inductor = _private(utils, "counters", "torch._dynamo.utils", "torch")["inductor"]
+    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"])}

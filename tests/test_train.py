@@ -183,10 +183,21 @@ def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -
 def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplog) -> None:
     from types import SimpleNamespace
 
-    def mode(compile_mode, device: str = "cuda", world: int = 1, accumulate: int = 1, plugin=None):
+    from pytorch_lightning.strategies import DDPStrategy
+
+    class OneGpuDDP(DDPStrategy):
+        def __init__(self) -> None:  # only what _compile_mode reads
+            pass
+
+        @property
+        def root_device(self) -> torch.device:
+            return torch.device("cuda")
+
+    def mode(compile_mode, device: str = "cuda", world: int = 1, accumulate: int = 1, plugin=None, ddp=False):
         module = ImageClassifier("resnet18", num_classes=3, compile=compile_mode)
+        strategy = OneGpuDDP() if ddp else SimpleNamespace(root_device=torch.device(device))
         module._trainer = SimpleNamespace(precision_plugin=plugin, world_size=world, accumulate_grad_batches=accumulate,
-                                          strategy=SimpleNamespace(root_device=torch.device(device)))  # fmt: skip
+                                          strategy=strategy)  # fmt: skip
         return module._compile_mode()
 
     assert mode("cudagraphs") == ("cudagraphs", None)
@@ -194,7 +205,13 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     assert mode("cudagraphs", device="cpu") == ("default", "CUDA graphs need a CUDA device")
     assert mode("cudagraphs", world=2) == ("default", "CUDA graphs are used on one process only; this run has 2")
     assert mode("cudagraphs", accumulate=2)[0] == "default"
-    assert mode("auto") == ("default", "--model.compile auto on a CUDA device; false trains eager")
+    assert mode("auto") == ("background", "--model.compile auto on one CUDA device; false trains eager")
+    assert mode("auto", ddp=True) == ("default", "--model.compile auto under OneGpuDDP; false trains eager")
+    assert mode("background") == mode("background", device="cpu") == ("background", None)
+    assert mode("background", ddp=True) == (
+        "default",
+        "a background compile's graphs would not be split as OneGpuDDP splits them",
+    )
     cpu = "--model.compile auto compiles on CUDA devices only; this run trains on cpu"
     assert mode("auto", device="cpu") == (None, cpu)
     from lit_imagenet.training.precision import ApexAMP
@@ -217,5 +234,5 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
         "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)."
     ]
     assert module.model._compiled_call_impl is None
-    with pytest.raises(ValueError, match="compile must be false, true, auto, default or cudagraphs. Got 'graphs'"):
+    with pytest.raises(ValueError, match="compile must be false, true, auto, default, cudagraphs or background. Got"):
         ImageClassifier("resnet18", num_classes=3, compile="graphs")

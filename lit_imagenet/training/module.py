@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
@@ -23,6 +24,7 @@ from typing_extensions import override
 
 from lit_imagenet.compat import (
     attached_trainer,
+    compile_cache_counts,
     epoch_batches_done,
     metric_defaults,
     user_inductor_cache_dir,
@@ -31,6 +33,7 @@ from lit_imagenet.compat import (
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.training import models, optim
+from lit_imagenet.training.background_compile import CompileSwitch
 from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
@@ -68,15 +71,20 @@ class ImageClassifier(pl.LightningModule):
             ``true`` (or ``default``): compiled. ``cudagraphs``: compiled, and its forward and backward
             passes replayed as CUDA graphs (torch.compile's ``reduce-overhead``), which launch each
             pass's kernels at once; the optimizer step and the learning rate stay outside the graphs.
-            ``auto`` (the recipe's): ``default`` where the network trains on a CUDA device, eager
-            elsewhere, and the run says which in one line. Where a mode cannot run (CUDA graphs off
-            CUDA, under DDP on several processes or with gradient accumulation; any compilation with
-            apex AMP), the run says so in one line and takes the next one down. The first steps take
-            longer while it compiles (the time is logged), and inductor's caches go to
-            ``compile_cache`` under the run's root, where a restart finds them, unless
-            ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept static: a batch of
-            another size (an epoch's short last batch, validation) gets a graph of its own, where by
-            default it would turn the training graph into one for any batch size.
+            ``background``: the run trains eagerly while a process of its own compiles the network, and
+            switches to the compiled network at the first step after that process has ended, finding its
+            graphs in the compiler caches (``training.background_compile``); only batches of the first
+            training batch's form run compiled, any other (an epoch's short last batch, evaluation) eager.
+            ``auto`` (the recipe's): ``background`` where the network trains on one CUDA device, ``default``
+            on several processes (DDP), eager elsewhere, and the run says which in one line. Where a mode
+            cannot run (CUDA graphs off CUDA, under DDP or with gradient accumulation; a background compile
+            under DDP; any compilation with apex AMP), the run says so in one line and takes the next one
+            down. The first compiled step takes longer while it compiles or reads the caches (the time is
+            logged), and inductor's caches go to ``compile_cache`` under the run's root, where a restart
+            finds them, unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept static:
+            with ``true`` and ``cudagraphs`` a batch of another size (an epoch's short last batch,
+            validation) gets a graph of its own, where by default it would turn the training graph into
+            one for any batch size.
         fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
             same pass. ``None``: on when the parameters are on a CUDA device and the precision is
             Lightning's own (not apex AMP, which manages the optimizer itself).
@@ -98,7 +106,7 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
-        compile: bool | Literal["auto", "default", "cudagraphs"] = False,
+        compile: bool | Literal["auto", "default", "cudagraphs", "background"] = False,
         fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
@@ -110,8 +118,8 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must not be negative. Got {freeze_backbone_epochs}")
         if backbone_lr_scale < 0:
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
-        if compile not in (False, True, "auto", "default", "cudagraphs"):
-            raise ValueError(f"compile must be false, true, auto, default or cudagraphs. Got {compile!r}")
+        if compile not in (False, True, "auto", "default", "cudagraphs", "background"):
+            raise ValueError(f"compile must be false, true, auto, default, cudagraphs or background. Got {compile!r}")
         self.save_hyperparameters()
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
@@ -134,6 +142,8 @@ class ImageClassifier(pl.LightningModule):
         self._compiled = False
         self._graphed = False  # the network replayed as CUDA graphs (``compile: cudagraphs``)
         self._compile_clock: float | None = None  # the first compiled step's start, 0 until it starts
+        self._switch: CompileSwitch | None = None  # eager until a background compile ends (``compile: background``)
+        self._cache_counts: dict[str, int] | None = None  # the compiler caches' counts and the step at the switch
         self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
@@ -144,7 +154,10 @@ class ImageClassifier(pl.LightningModule):
             # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
             weight = next(self.model.parameters())
             images = self.normalize(images, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
-        out = self.model(images)
+        network = self.model
+        if self._switch is not None and self.training:
+            network = self._switch.network_for(images, network)
+        out = network(images)
         if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
             out = out[0]
         return out
@@ -160,13 +173,17 @@ class ImageClassifier(pl.LightningModule):
             mode, reason = self._compile_mode()
             if reason:
                 rank_zero_info(f"Compile: {mode or 'eager'} ({reason}).")
-            if mode is not None:
-                trainer = attached_trainer(self)
-                if trainer is not None and user_inductor_cache_dir() is None:
-                    # Read by inductor when it compiles, and by its compile workers, started then.
-                    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
-                        os.path.join(trainer.default_root_dir, "compile_cache")
-                    )
+            trainer = attached_trainer(self)
+            if mode is not None and trainer is not None and user_inductor_cache_dir() is None:
+                # Read by inductor when it compiles, and by its compile workers, started then.
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
+                    os.path.join(trainer.default_root_dir, "compile_cache")
+                )
+            if mode == "background":
+                root = trainer.default_root_dir if trainer is not None else "."
+                folder = os.path.abspath(os.path.join(root, "background_compile"))
+                self._switch = CompileSwitch(folder, os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
+            elif mode is not None:
                 self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
                 self._graphed = mode == "cudagraphs"
                 self._compile_clock = 0.0  # started by the first training batch
@@ -179,10 +196,20 @@ class ImageClassifier(pl.LightningModule):
         if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
             return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
         device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
+        # Under DDP torch.compile splits the graph where DDP's gradient buckets end, which a process of its own
+        # compiling the network would not do: its graphs would not be the run's.
+        ddp = trainer is not None and isinstance(trainer.strategy, ParallelStrategy)
         if asked == "auto":
-            if device.type == "cuda":
-                return "default", "--model.compile auto on a CUDA device; false trains eager"
-            return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
+            if device.type != "cuda":
+                return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
+            if ddp:
+                return "default", f"--model.compile auto under {type(trainer.strategy).__name__}; false trains eager"
+            return "background", "--model.compile auto on one CUDA device; false trains eager"
+        if asked == "background":
+            if ddp:
+                strategy = type(trainer.strategy).__name__
+                return "default", f"a background compile's graphs would not be split as {strategy} splits them"
+            return "background", None
         if asked != "cudagraphs":
             return asked, None
         if device.type != "cuda":
@@ -263,6 +290,12 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._switch is not None and self._switch.poll(self.model):
+            self._cache_counts = {**compile_cache_counts(), "step": self.trainer.global_step}
+            self._compile_clock = 0.0
+        elif self._switch is not None and self._switch.failed is not None and self._cache_counts is None:
+            rank_zero_info(f"Compile: eager ({self._switch.failed}).")
+            self._cache_counts = {}  # said once
         if self._graphed:
             # A new training step: the graphs' outputs of the last one (logits, gradients) may be overwritten.
             torch.compiler.cudagraph_mark_step_begin()
@@ -273,11 +306,14 @@ class ImageClassifier(pl.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._compile_clock:
             sync_device(self)
-            rank_zero_info(
-                f"Compiled the network and ran its first step in {time.perf_counter() - self._compile_clock:.1f} s "
-                f"(compiler caches: {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})."
-            )
+            rank_zero_info(self._compiled_line(time.perf_counter() - self._compile_clock))
             self._compile_clock = None
+        if self._switch is not None and self._switch.waiting and not self.backbone_frozen:
+            # After the first step, whose batch gave the form to compile for; with a frozen backbone, once the
+            # network trains whole, as it will from then on.
+            line = self._switch.launch(self.model, *self._device_memory())
+            if line:
+                rank_zero_info(line)
         if self._step_figures is None:
             return
         figures = read_host_copy(self._step_figures)
@@ -286,6 +322,32 @@ class ImageClassifier(pl.LightningModule):
         names = ["train/loss", *self.train_metrics.keys()]
         for name, value in zip(names, figures.unbind()):
             self.log(f"{name}_step", value, on_step=True, on_epoch=False)
+
+    def _compiled_line(self, seconds: float) -> str:
+        caches = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if self._switch is None or self._switch.child is None and not self._switch.in_process:
+            return f"Compiled the network and ran its first step in {seconds:.1f} s (compiler caches: {caches})."
+        counts, before = compile_cache_counts(), self._cache_counts or {"step": "?"}
+        found, compiled = (counts[k] - before.get(k, 0) for k in ("hits", "misses"))
+        child = self._switch.child
+        where = f" from the caches of its background compile ({child.seconds:.1f} s)" if child is not None else ""
+        return (
+            f"Compiled the network{where} at step {before['step']} and ran its first compiled step in "
+            f"{seconds:.1f} s: {found} of {found + compiled} graphs found in the caches (compiler caches: {caches})."
+        )
+
+    def _device_memory(self) -> tuple[int | None, int | None]:
+        """Free memory on the run's CUDA device, and what a background compile needs there: what a step took."""
+        device = self.trainer.strategy.root_device
+        if device.type != "cuda":
+            return None, None
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, torch.cuda.max_memory_reserved(device) + 2**30
+
+    @override
+    def teardown(self, stage: str) -> None:
+        if self._switch is not None:
+            self._switch.stop()
 
     def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:
         images, targets = batch[0], batch[1]
