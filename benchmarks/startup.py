@@ -23,7 +23,10 @@ The table is printed and written to ``OUT/startup.json``, after rows that time t
 imports alone (``torch`` and ``torchvision``, what the reference imports; pytorch-lightning,
 torchmetrics and jsonargparse, each alone; ``lit_imagenet.cli``, what ``train.py`` imports, also
 split by package from ``python -X importtime``): the part of a start that no data path can shorten.
-Caches are left warm: the tree was just built or used.
+Caches are left warm: the tree was just built or used. With ``--after-switch N`` a run that compiles in the
+background (the recipe's ``auto`` on one GPU) goes on until N steps after its switch to the compiled network:
+its row then holds the switch (its step and second, the child's seconds, the graphs found in the caches), the
+compiled network's images/s, and a peak PSS that covers the compiling child.
 The report is written again after each row, with ``"complete": false`` until the last: a call stopped
 by its time limit keeps the rows it had.
 Each run's record also holds the lines it printed before its first step, each with its second.
@@ -66,6 +69,12 @@ OURS = re.compile(r"^Epoch \d+ \[\d+/\d+\] step (\d+)")
 REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
 # The line ours prints once the compiled network's first step ends (--model.compile): the compile's share.
 COMPILED = re.compile(r"^Compiled the network and ran its first step in ([\d.]+) s")
+# Its line where a background compile (the recipe's on one GPU) ended and the run switched, and where it did not.
+SWITCHED = re.compile(
+    r"^Compiled the network from the caches of its background compile \(([\d.]+) s\) at step (\d+) "
+    r"and ran its first compiled step in ([\d.]+) s: (\d+) of (\d+) graphs"
+)
+NO_SWITCH = re.compile(r"^Compile: (eager|default) \((the background compile|too little free memory)")
 _MARKER = ".links.json"
 
 
@@ -241,10 +250,12 @@ def install_requires() -> list[str]:
     return [re.split(r"[<>=!~; ]", line.strip(), maxsplit=1)[0] for line in lines if line.strip()]
 
 
-def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int,
-        timeout: float, env: dict[str, str], steady_from: int = 100) -> dict[str, Any]:  # fmt: skip
+def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int, timeout: float,
+        env: dict[str, str], steady_from: int = 100, after_switch: int = 0) -> dict[str, Any]:  # fmt: skip
     """Runs ``cmd`` until its line of step ``steps`` (or its end, or ``timeout``): the first step's time, the
-    throughput from step ``steady_from`` to ``steps``, the peak PSS."""
+    throughput from step ``steady_from`` to ``steps``, the peak PSS. With ``after_switch``, a run that compiles in
+    the background goes on until that many steps after its switch to the compiled network (the peak PSS then covers
+    the compile), and the compiled network's images/s are taken from 20 steps after the switch to the end."""
     log = out / "logs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
@@ -266,12 +277,24 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     killer.start()
     assert proc.stdout is not None
     compiled_step: float | None = None
+    switch: dict[str, Any] | None = None
+    waiting, target = after_switch > 0, steps  # for a switch, and the step to stop at
+    reached = False
     for line in proc.stdout:
         now = time.monotonic() - began
         lines.append(f"{now:8.2f} {line}")
         compiled = COMPILED.search(line)
         if compiled:
             compiled_step = float(compiled.group(1))
+        switched = SWITCHED.search(line)
+        if switched:
+            child, step, first, found, graphs = switched.groups()
+            compiled_step = float(first)
+            switch = {"step": int(step), "seconds": round(now, 2), "child_seconds": float(child),
+                      "graphs_found": int(found), "graphs": int(graphs)}  # fmt: skip
+            target = max(steps, int(step) + after_switch) if waiting else target
+        elif NO_SWITCH.search(line):
+            switch, waiting = {"stays": line.strip()}, False
         match = pattern.search(line)
         if match:
             # Ours: the global step, which goes on across epochs; the reference's: the batch of its first
@@ -279,10 +302,11 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
             step = int(match.group(1))
             seen[step] = now
             first_line = len(lines) if first_line is None else first_line
-            if step >= steps:
+            if step >= target and (switch is not None or not waiting):
+                reached = True
                 break
     killer.cancel()
-    timed_out = proc.poll() is None and not seen.get(steps)
+    timed_out = proc.poll() is None and not reached
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -303,6 +327,11 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     }
     if steady_from in seen and steps in seen and steps > steady_from:
         row["images_per_sec"] = round((steps - steady_from) * images / (seen[steps] - seen[steady_from]))
+    if switch is not None:
+        row["switch"] = switch
+        after = sorted(step for step in seen if "step" in switch and step >= switch["step"] + 20)
+        if len(after) > 1 and after[-1] - after[0] >= 100:
+            row["compiled_images_per_sec"] = round((after[-1] - after[0]) * images / (seen[after[-1]] - seen[after[0]]))
     return row
 
 
@@ -320,6 +349,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="the step a first run stops at (default 400)")
     parser.add_argument("--steady-from", type=int, default=None, help="throughput from this step on (default 100)")
     parser.add_argument("--restart-steps", type=int, default=None, help="the step a restart stops at (default 10)")
+    parser.add_argument("--after-switch", type=int, default=0,
+                        help="a run that compiles in the background goes on until this many steps after its switch "
+                             "to the compiled network (default 0: it stops at its step)")  # fmt: skip
     parser.add_argument("--restarts", type=int, default=1,
                         help="restarts of each decoder after its first run, one row each (default 1)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=15, help="the reference's --workers (the recipe's 15)")
@@ -437,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
             if attempt == "first run":
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
-            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from))
+            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from,
+                    args.after_switch))  # fmt: skip
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         import torch

@@ -29,9 +29,13 @@ first epoch, so later epochs' peaks of ``cudagraphs`` rows leave it out). ``mode
 runs every ``fit`` row on 1 and on 2 GPUs (DDP). The ratio column divides each row's images/s by
 the ``model-alone`` images/s of the same architecture and mode. ``--compile MODE ...`` runs the rows
 once per mode of the network: ``eager``, ``default`` (compiled) and ``cudagraphs`` (compiled and
-replayed as CUDA graphs), the ``fit`` rows with ``--model.compile`` set to match; without it the
-rows run the recipe's mode (its ``compile: auto``: ``default`` on CUDA, eager on a CPU), the ``fit``
-rows with the recipe's own ``--model.compile``. Every row's process keeps inductor's caches in
+replayed as CUDA graphs) and ``background`` (eager until a background compile ends), the ``fit`` rows
+with ``--model.compile`` set to match; without it the rows run the recipe's mode (its ``compile: auto``:
+``background`` on CUDA, eager on a CPU), the ``fit`` rows with the recipe's own ``--model.compile``. A
+``fit`` row that compiles in the background on one GPU runs until its switch to the compiled network and
+reports its first epoch wholly after it (``switch`` in its record: the child's seconds, the step, the
+first compiled step's seconds, the graphs found in the caches), then stops; its ``model-alone`` row is
+the compiled network. Every row's process keeps inductor's caches in
 ``OUT/compile_cache`` (unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder); the ``fit`` rows'
 network is not the model alone's graph, so each row's first epoch still compiles much of it. The
 table is printed and written to ``OUT/throughput.json``
@@ -56,6 +60,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -68,7 +73,14 @@ REPO = Path(__file__).resolve().parents[1]
 EPOCH_LINE = re.compile(r"Epoch (\d+): ([\d,.]+) images/s .*?(?:peak GPU memory ([\d.]+) GiB)?$")
 LR_PER_256, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 1e-4  # configs/resnet50.yaml
 #: ``--compile``'s modes, and the ``--model.compile`` value of each.
-COMPILE_MODES = {"eager": "false", "default": "true", "cudagraphs": "cudagraphs"}
+COMPILE_MODES = {"eager": "false", "default": "true", "cudagraphs": "cudagraphs", "background": "background"}
+#: A background compile's switch (``--model.compile background``, the recipe's ``auto`` on one GPU), and its failure.
+SWITCH_LINE = re.compile(
+    r"^Compiled the network from the caches of its background compile \(([\d.]+) s\) at step (\d+) "
+    r"and ran its first compiled step in ([\d.]+) s: (\d+) of (\d+) graphs"
+)
+BACKGROUND_MAX_EPOCHS = 500
+NO_SWITCH_LINE = re.compile(r"^Compile: (eager|default) \((the background compile|too little free memory)")
 DECODER = re.compile(r"^(pil|torchvision|nvjpeg|dali)(?:@([01](?:\.\d+)?))?$")
 
 
@@ -96,8 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compile", nargs="*", default=None, choices=list(COMPILE_MODES),
                         help="the network's modes, each a set of rows (model-alone, fit rows): eager, default "
                              "(torch.compile), cudagraphs (compiled and replayed as CUDA graphs, torch.compile's "
-                             "reduce-overhead); --compile alone: default (default: the recipe's mode, "
-                             "default on CUDA)")  # fmt: skip
+                             "reduce-overhead), background (eager until a background compile ends, then compiled); "
+                             "--compile alone: default (default: the recipe's mode, background on a GPU)")  # fmt: skip
     parser.add_argument("--cpus-per-gpu", type=int, default=None,
                         help="run each row on the first N CPUs per GPU it uses, of those the script may use "
                              "(default: all of them)")  # fmt: skip
@@ -150,8 +162,8 @@ def recipe_mode(device: torch.device) -> str:
     import yaml
 
     asked = yaml.safe_load((REPO / "configs" / "resnet50.yaml").read_text()).get("model", {}).get("compile", False)
-    if asked == "auto":
-        return "default" if device.type == "cuda" else "eager"
+    if asked == "auto":  # on several GPUs (DDP) the run itself compiles at its first step instead, and says so
+        return "background" if device.type == "cuda" else "eager"
     return {False: "eager", True: "default"}.get(asked, asked)
 
 
@@ -175,7 +187,7 @@ def _training_parts(arch: str, args: argparse.Namespace, device: torch.device) -
     from lit_imagenet.training.schedule import scaled_lr
 
     model = build_model(arch, args.num_classes).to(device, memory_format=torch.channels_last).train()
-    if args.compile in ("default", "cudagraphs"):
+    if args.compile in ("default", "cudagraphs", "background"):  # a background compile's network, once switched
         model.compile(dynamic=False, mode="reduce-overhead" if args.compile == "cudagraphs" else None)
     cuda = device.type == "cuda"
     optimizer = torch.optim.SGD(
@@ -304,46 +316,85 @@ def _cpus(args: argparse.Namespace, gpus: int) -> set[int] | None:
     return set(args.start_cpus[: args.cpus_per_gpu * gpus])
 
 
+def _background(args: argparse.Namespace, devices: int) -> bool:
+    """Whether a fit row's run trains eagerly until a background compile ends (on several GPUs it compiles at once)."""
+    return args.compile == "background" and devices == 1
+
+
 def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+    """Runs a ``fit`` row; reports its last epoch or, where it compiles in the background, its first epoch wholly
+    after the switch to the compiled network, stopping the run there (or where it says it stays eager)."""
     cpus = _cpus(args, gpus)
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    background = _background(args, gpus)
     # A session of its own, so that a row stopped by --row-timeout takes its DDP ranks and workers with it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             preexec_fn=pin, start_new_session=True)  # fmt: skip
-    timed_out = False
+    stopped = {"timed_out": False, "at_switch": False}
+
+    def stop(reason: str) -> None:
+        if proc.poll() is None:
+            stopped[reason] = True
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    timer = threading.Timer(args.row_timeout, stop, ("timed_out",)) if args.row_timeout else None
+    if timer is not None:
+        timer.start()
+    lines: list[str] = []
+    switch: dict[str, Any] | None = None
+    epochs: list[tuple[str, str, str | None]] = []
     try:
-        text, _ = proc.communicate(timeout=args.row_timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            line = line.rstrip("\n")
+            if (match := EPOCH_LINE.search(line)) is not None:
+                epochs.append(match.groups())
+            if background and switch is None and (match := SWITCH_LINE.match(line)) is not None:
+                child, step, first, found, graphs = match.groups()
+                switch = {"child_seconds": float(child), "step": int(step), "first_compiled_step_seconds": float(first),
+                          "graphs_found": int(found), "graphs": int(graphs), "epoch": len(epochs)}  # fmt: skip
+            elif background and switch is None and NO_SWITCH_LINE.match(line):
+                switch = {"stays": line}
+                stop("at_switch")
+            if switch is not None and "epoch" in switch and epochs and int(epochs[-1][0]) > switch["epoch"]:
+                stop("at_switch")  # the first epoch wholly after the switch has ended
+        proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    text = "".join(lines)
     log = args.out / "logs" / f"{name}.log"
     log.write_text(" ".join(cmd) + "\n" + text)
-    if proc.returncode != 0 and not timed_out:
+    if proc.returncode != 0 and not any(stopped.values()):
         raise SystemExit(f"{name} failed ({proc.returncode}), see {log}:\n{text[-3000:]}")
-    epochs = [m.groups() for m in map(EPOCH_LINE.search, text.splitlines()) if m]
-    if not epochs and not timed_out:
+    if not epochs and not stopped["timed_out"]:
         raise SystemExit(f"{name} printed no Throughput line, see {log}")
+    if background and (switch is None or "epoch" not in switch or int(epochs[-1][0]) <= switch["epoch"]):
+        epochs = []  # no epoch of the compiled network: eager epochs would say nothing of the recipe
     rate, memory = (epochs[-1][1], epochs[-1][2]) if epochs else (None, None)
     return {
         "images_per_sec": float(rate.replace(",", "")) if rate else None,
         "peak_memory_gib": float(memory) if memory else None,
         "epochs": [{"epoch": int(e), "images_per_sec": float(r.replace(",", ""))} for e, r, _ in epochs],
-        "timed_out": timed_out,
+        "timed_out": stopped["timed_out"],
+        **({"switch": switch} if background else {}),
         "log": str(log),
     }
 
 
 def _mode_suffix(args: argparse.Namespace) -> str:
     """The compiled rows' suffix of names (``-default``, ``-cudagraphs``); none for eager rows."""
-    return f"-{args.compile}" if args.compile in ("default", "cudagraphs") else ""
+    return f"-{args.compile}" if args.compile in ("default", "cudagraphs", "background") else ""
 
 
 def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Path, recipe: bool = True) -> list[str]:
     """``train.py`` arguments of every ``fit`` row; ``recipe``: the row reads ``configs/resnet50.yaml``, whose
     ``--model.compile`` stands in the recipe's mode."""
+    # A background compile's row runs until its first epoch wholly after the switch (``_run_fit``).
+    epochs = BACKGROUND_MAX_EPOCHS if _background(args, devices) else args.epochs
     cmd = [
-        "--model.arch", arch, "--trainer.devices", str(devices), "--trainer.max_epochs", str(args.epochs),
+        "--model.arch", arch, "--trainer.devices", str(devices), "--trainer.max_epochs", str(epochs),
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out),
     ]  # fmt: skip

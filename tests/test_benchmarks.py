@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import PIL
@@ -81,6 +82,36 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     assert "| fit-pil | resnet18 | eager | 1 | - (stopped) | - | - |" in proc.stdout
     assert "--model.compile false" in (out / "logs" / "fit-pil-resnet18-1dev.log").read_text()  # eager asked for
     assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize("ends", ["switched", "stays eager"])
+def test_a_background_compile_row_reports_its_first_epoch_after_the_switch_and_stops_there(
+    tmp_path: Path, ends: str
+) -> None:
+    """The recipe's mode on one GPU trains eagerly until its background compile ends: the row reports the first epoch
+    wholly compiled, and stops the run after it (or where the run says it stays eager, with no figure)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import throughput
+
+    args = throughput.parse_args(["--out", str(tmp_path), "--row-timeout", "60"])
+    args.compile = "background"
+    (tmp_path / "logs").mkdir()
+    switch = ("Compiled the network from the caches of its background compile (41.2 s) at step 250 and ran its first "
+              "compiled step in 3.1 s: 2 of 2 graphs found in the caches (compiler caches: /c).")  # fmt: skip
+    eager = "Compile: eager (the background compile failed (OSError: no space); its log: /c/compile.log)."
+    epochs = [f"Epoch {k}: {rate:,} images/s over all processes (25,600 images in 6.4 s)"
+              for k, rate in enumerate([4000, 4001, 4002, 4500, 6400])]  # fmt: skip
+    printed = [*epochs[:3], switch if ends == "switched" else eager, *epochs[3:]]
+    script = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in printed) + "time.sleep(60)\n"
+    started = time.monotonic()
+    row = throughput._run_fit("fit-fake", [sys.executable, "-c", script], args, 1)
+    assert time.monotonic() - started < 30 and not row["timed_out"]
+    if ends == "switched":
+        assert row["images_per_sec"] == 6400 and row["epochs"][-1]["epoch"] == 4
+        assert row["switch"] == {"child_seconds": 41.2, "step": 250, "first_compiled_step_seconds": 3.1,
+                                 "graphs_found": 2, "graphs": 2, "epoch": 3}  # fmt: skip
+    else:
+        assert row["images_per_sec"] is None and row["switch"] == {"stays": eager}
 
 
 def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_path: Path, monkeypatch) -> None:
@@ -361,3 +392,30 @@ def test_startup_rows_take_the_compiled_first_step_from_its_line(tmp_path: Path)
         cmd = [sys.executable, "-c", f"print({chr(10).join(printed)!r})"]
         row = startup.run(name, cmd, tmp_path, 10, startup.OURS, 256, 60, dict(os.environ))
         assert row["first_step"] == 10 and row["first_compiled_step_seconds"] == seconds and not row["timed_out"]
+
+
+def test_startup_runs_on_past_their_step_until_some_steps_after_the_background_compiles_switch(tmp_path: Path) -> None:
+    """``--after-switch N``: the peak PSS covers the background compile, and the compiled steps get their images/s."""
+    startup = _startup_module()
+
+    def last_step(row: dict) -> int:
+        printed = Path(row["log"]).read_text().splitlines()[1:]  # after the command
+        return max(
+            int(m.group(1)) for m in (startup.OURS.search(line.strip().split(" ", 1)[-1]) for line in printed) if m
+        )
+
+    steps = [f"Epoch 0 [{k}/5005] step {k} | x" for k in range(10, 301, 10)]
+    switch = ("Compiled the network from the caches of its background compile (51.0 s) at step 125 and ran its first "
+              "compiled step in 3.2 s: 2 of 2 graphs found in the caches (compiler caches: /c).")  # fmt: skip
+    printed = [*steps[:12], switch, *steps[12:]]  # the switch between steps 120 and 130
+    code = f"import time\nfor line in {printed!r}:\n    print(line, flush=True)\n    time.sleep(0.02)\ntime.sleep(30)"
+    row = startup.run("auto", [sys.executable, "-c", code], tmp_path, 40, startup.OURS, 256, 20, dict(os.environ),
+                      steady_from=20, after_switch=150)  # fmt: skip
+    assert not row["timed_out"] and row["first_step"] == 10 and row["first_compiled_step_seconds"] == 3.2
+    assert last_step(row) == 280  # stopped at step 125 + 150, on the logging grid
+    assert {k: row["switch"][k] for k in ("step", "child_seconds", "graphs_found", "graphs")} == {
+        "step": 125, "child_seconds": 51.0, "graphs_found": 2, "graphs": 2}  # fmt: skip
+    assert row["compiled_images_per_sec"] > 0  # steps 150 to 280
+    row = startup.run("auto2", [sys.executable, "-c", code], tmp_path, 40, startup.OURS, 256, 20, dict(os.environ),
+                      steady_from=20)  # fmt: skip
+    assert last_step(row) == 40 and "compiled_images_per_sec" not in row and "switch" not in row
