@@ -6,9 +6,10 @@ one command may run for a limited time); each part's result is kept in the recor
 * ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
   the real ``train.py`` under DDP), one row per test.
 * ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs, in the recipe's mode of the
-  network (compiled on CUDA): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit`` with each
-  decoder (``pil``, ``torchvision``, ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), each on 1 GPU and on every
-  visible GPU. A row passes when its run finished its epochs.
+  network (on one GPU compiled in the background, each ``fit`` row timed over its first epoch after the switch;
+  on several compiled from the first step): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit``
+  with each decoder (``pil``, ``torchvision``, ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), each on 1 GPU
+  and on every visible GPU. A row passes when its run finished its epochs.
 
 It prints one summary (pass/fail and images/s per row) and writes ``benchmarks/results/gpu-check.json``
 (the commit, the machine, the versions and every row). The exit status is 1 when a row failed. Where the checkout
@@ -160,7 +161,8 @@ def _bench_row(r: dict[str, Any]) -> dict[str, Any]:
     rate = r.get("images_per_sec")
     return {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None and not r.get("timed_out"),
             "compile": r.get("compile"), "images_per_sec": rate, "ratio_to_model_alone": r.get("ratio"),
-            "peak_memory_gib": r.get("peak_memory_gib")}  # fmt: skip
+            "peak_memory_gib": r.get("peak_memory_gib"),
+            **({"switch": r["switch"]} if "switch" in r else {})}  # fmt: skip
 
 
 def summary(record: dict[str, Any]) -> str:
