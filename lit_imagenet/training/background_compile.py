@@ -172,6 +172,7 @@ def input_form(images: Any) -> dict[str, Any]:
         "device": str(images.device),
         "autocast": torch.is_autocast_enabled(device_type),
         "autocast_dtype": str(torch.get_autocast_dtype(device_type)).removeprefix("torch."),
+        "autocast_cache": torch.is_autocast_cache_enabled(),  # Lightning's autocast turns it off
     }
 
 
@@ -403,7 +404,8 @@ def _child(folder: Path) -> dict[str, Any]:
     images = torch.empty_strided(form["shape"], form["stride"], dtype=dtype, device=device)
     images.uniform_(-2.0, 2.0) if images.is_floating_point() else images.random_(0, 256)
     compiled = compile_network(network)
-    autocast = torch.autocast(device.type, dtype=getattr(torch, form["autocast_dtype"]), enabled=form["autocast"])
+    autocast = torch.autocast(device.type, dtype=getattr(torch, form["autocast_dtype"]), enabled=form["autocast"],
+                              cache_enabled=form["autocast_cache"])  # fmt: skip
     with autocast:
         out = compiled(images)
         if not isinstance(out, torch.Tensor):  # GoogLeNet and Inception return auxiliary logits in training
