@@ -78,8 +78,9 @@ def test_the_run_trains_eagerly_then_compiled_from_the_caches_its_background_com
     model = ImageClassifier("alexnet", num_classes=3, lr=0.01, warmup_epochs=0, channels_last=True,
                             compile="background")  # fmt: skip
     calls = Calls()
-    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", max_epochs=2, logger=False, precision="bf16-mixed",
-                         enable_progress_bar=False, enable_checkpointing=False, callbacks=[calls])  # fmt: skip
+    trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", precision="bf16-mixed", max_epochs=2,
+                         logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                         callbacks=[calls])  # fmt: skip
     try:
         with caplog.at_level("INFO"):
             trainer.fit(model, dm)
