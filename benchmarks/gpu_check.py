@@ -9,7 +9,8 @@ one command may run for a limited time); each part's result is kept in the recor
   network (on one GPU compiled in the background, each ``fit`` row timed over its first epoch after the switch;
   on several compiled from the first step): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit``
   with each decoder (``pil``, ``torchvision``, ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), each on 1 GPU
-  and on every visible GPU. A row passes when its run finished its epochs.
+  and on every visible GPU. A row passes when its run finished its epochs. Each ``fit`` row keeps the step
+  timeline of that epoch (``benchmarks/step_timeline.py``): what held it, the GPU, the host or the loader.
 
 It prints one summary (pass/fail and images/s per row) and writes ``benchmarks/results/gpu-check.json``
 (the commit, the machine, the versions and every row). The exit status is 1 when a row failed. Where the checkout
@@ -146,7 +147,7 @@ def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str
     devices = sorted({1, max(1, torch.cuda.device_count())})
     cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--out", str(out / "throughput"),
            "--archs", "resnet50", "--skip", "loop", "--devices", *map(str, devices), "--decoders", *decoders,
-           "--row-timeout", "240", *extra]  # fmt: skip
+           "--row-timeout", "240", "--timeline", *extra]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO)
     path = out / "throughput" / "throughput.json"
     if not path.is_file():
@@ -162,7 +163,19 @@ def _bench_row(r: dict[str, Any]) -> dict[str, Any]:
     return {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None and not r.get("timed_out"),
             "compile": r.get("compile"), "images_per_sec": rate, "ratio_to_model_alone": r.get("ratio"),
             "peak_memory_gib": r.get("peak_memory_gib"),
-            **({"switch": r["switch"]} if "switch" in r else {})}  # fmt: skip
+            **({"switch": r["switch"]} if "switch" in r else {}),
+            **({"timeline": _timeline_medians(r["timeline"])} if r.get("timeline") else {})}  # fmt: skip
+
+
+def _timeline_medians(summary: dict[str, Any]) -> dict[str, Any]:
+    """The step timeline of a bench row's epoch, in short: its sums in seconds, and each per-step figure's median in
+    milliseconds (``benchmarks/step_timeline.py`` names them)."""
+    short: dict[str, Any] = {key: round(summary[key], 3) for key in ("steps", "epoch_s", "head_s", "steps_s", "tail_s")}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            short[key] = {"sum_s": round(value["sum"] / 1000, 3),
+                          "median": None if value["median"] is None else round(value["median"], 2)}  # fmt: skip
+    return short
 
 
 def summary(record: dict[str, Any]) -> str:

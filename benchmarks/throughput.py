@@ -46,6 +46,10 @@ table is printed and written to ``OUT/throughput.json``
     python benchmarks/throughput.py --out runs/throughput-dali --skip loop --decoders dali nvjpeg
     python benchmarks/throughput.py --out /tmp/tp --smoke   # CPU, tiny sizes, well under a minute
 
+``--timeline`` adds ``benchmarks/step_timeline.py``'s callback to the ``fit`` rows: each keeps, as ``timeline``,
+that callback's summary of the epoch it reports (the GPU's time in the steps' kernels and between them, and
+how far the host ran ahead), which says whether the GPU, the host or the loader held the row.
+
 ``--row-timeout S`` stops a ``fit`` row (its whole process group: DDP ranks and loader workers too) after
 S seconds; it then reports the epochs it finished, or none.
 """
@@ -80,6 +84,8 @@ SWITCH_LINE = re.compile(
     r"and ran its first compiled step in ([\d.]+) s: (\d+) of (\d+) graphs"
 )
 BACKGROUND_MAX_EPOCHS = 500
+TIMELINE = "benchmarks.step_timeline.StepTimeline"
+TIMELINE_LINE = re.compile(r"^Step timeline, epoch (\d+):")
 NO_SWITCH_LINE = re.compile(r"^Compile: (eager|default) \((the background compile|too little free memory)")
 DECODER = re.compile(r"^(pil|torchvision|nvjpeg|dali)(?:@([01](?:\.\d+)?))?$")
 
@@ -129,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-per-class", type=int, default=None, help="default 4267 (6 classes: 25,602)")
     parser.add_argument("--val-per-class", type=int, default=None, help="default 500")
     parser.add_argument("--num-classes", type=int, default=None, help="default 6")
+    parser.add_argument("--timeline", action="store_true",
+                        help="time each fit row's steps with benchmarks/step_timeline.py; the row keeps the summary of "
+                             "the epoch it reports")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more train.py arguments for the fit rows, after --")
     args = parser.parse_args(argv)
     # None: the recipe's mode, the fit rows with the recipe's own --model.compile.
@@ -321,9 +330,10 @@ def _background(args: argparse.Namespace, devices: int) -> bool:
     return args.compile == "background" and devices == 1
 
 
-def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int, out: Path | None = None) -> dict[str, Any]:
     """Runs a ``fit`` row; reports its last epoch or, where it compiles in the background, its first epoch wholly
-    after the switch to the compiled network, stopping the run there (or where it says it stays eager)."""
+    after the switch to the compiled network, stopping the run there (or where it says it stays eager). With
+    ``--timeline`` the row's ``timeline`` is the step timeline's summary of that epoch, read from ``out``."""
     cpus = _cpus(args, gpus)
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     background = _background(args, gpus)
@@ -343,6 +353,7 @@ def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> 
     lines: list[str] = []
     switch: dict[str, Any] | None = None
     epochs: list[tuple[str, str, str | None]] = []
+    timed: set[int] = set()  # the epochs whose step timeline was written
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -350,6 +361,8 @@ def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> 
             line = line.rstrip("\n")
             if (match := EPOCH_LINE.search(line)) is not None:
                 epochs.append(match.groups())
+            if (match := TIMELINE_LINE.match(line)) is not None:
+                timed.add(int(match.group(1)))
             if background and switch is None and (match := SWITCH_LINE.match(line)) is not None:
                 child, step, first, found, graphs = match.groups()
                 switch = {"child_seconds": float(child), "step": int(step), "first_compiled_step_seconds": float(first),
@@ -358,7 +371,8 @@ def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> 
                 switch = {"stays": line}
                 stop("at_switch")
             if switch is not None and "epoch" in switch and epochs and int(epochs[-1][0]) > switch["epoch"]:
-                stop("at_switch")  # the first epoch wholly after the switch has ended
+                if not args.timeline or int(epochs[-1][0]) in timed:  # its timeline is written after its line
+                    stop("at_switch")  # the first epoch wholly after the switch has ended
         proc.wait()
     finally:
         if timer is not None:
@@ -373,14 +387,24 @@ def _run_fit(name: str, cmd: list[str], args: argparse.Namespace, gpus: int) -> 
     if background and (switch is None or "epoch" not in switch or int(epochs[-1][0]) <= switch["epoch"]):
         epochs = []  # no epoch of the compiled network: eager epochs would say nothing of the recipe
     rate, memory = (epochs[-1][1], epochs[-1][2]) if epochs else (None, None)
+    timeline = _timeline_summary(out, int(epochs[-1][0])) if args.timeline and out is not None and epochs else None
     return {
         "images_per_sec": float(rate.replace(",", "")) if rate else None,
         "peak_memory_gib": float(memory) if memory else None,
         "epochs": [{"epoch": int(e), "images_per_sec": float(r.replace(",", ""))} for e, r, _ in epochs],
         "timed_out": stopped["timed_out"],
         **({"switch": switch} if background else {}),
+        **({"timeline": timeline} if args.timeline else {}),
         "log": str(log),
     }
+
+
+def _timeline_summary(out: Path, epoch: int) -> dict[str, Any] | None:
+    """Rank 0's step timeline summary of ``epoch`` (``benchmarks/step_timeline.py``), or None where none was written."""
+    path = out / "step_timeline-rank0.json"
+    if not path.is_file():
+        return None
+    return next((e["summary"] for e in json.loads(path.read_text()) if e["epoch"] == epoch), None)
 
 
 def _mode_suffix(args: argparse.Namespace) -> str:
@@ -404,6 +428,8 @@ def _common_fit_args(arch: str, devices: int, args: argparse.Namespace, out: Pat
         cmd += ["--model.compile", COMPILE_MODES[args.compile]]
     if args.smoke or not torch.cuda.is_available():
         cmd += ["--trainer.accelerator", "cpu", "--trainer.precision", "32-true"]
+    if args.timeline:
+        cmd += [f"--trainer.callbacks+={TIMELINE}"]
     return cmd
 
 
@@ -420,7 +446,7 @@ def fit_synthetic(arch: str, devices: int, args: argparse.Namespace) -> dict[str
         "--checkpoint.save_top_k", "0", "--checkpoint.save_last", "false",
         *_common_fit_args(arch, devices, args, out, recipe=False), *args.extra,
     ]  # fmt: skip
-    return _run_fit(name, cmd, args, devices)
+    return _run_fit(name, cmd, args, devices, out)
 
 
 def fit(arch: str, decoder: str, devices: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
@@ -437,7 +463,7 @@ def fit(arch: str, decoder: str, devices: int, args: argparse.Namespace, root: P
     ]  # fmt: skip
     if share:
         cmd += ["--data.gpu_share", share]
-    return _run_fit(name, cmd + args.extra, args, devices)
+    return _run_fit(name, cmd + args.extra, args, devices, out)
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -521,6 +547,12 @@ def main(argv: list[str] | None = None) -> None:
             shown += f" (stopped after {args.row_timeout:g} s)"
         print(f"{setting} {arch} ({devices} dev{'' if mode == 'eager' else ', ' + mode}): {shown}"
               + (f", peak memory {memory:.2f} GiB" if memory is not None else ""), flush=True)  # fmt: skip
+        if result.get("timeline"):
+            t = result["timeline"]
+            print(f"  step timeline: {t['steps']} steps in {t['steps_s']:.2f} s on the GPU, kernels "
+                  f"{t['kernels_ms']['sum'] / 1000:.2f} s (median {t['kernels_ms']['median']:.2f} ms a step), gaps "
+                  f"{t['gap_ms']['sum'] / 1000:.2f} s (the host late {t['host_wait_ms']['sum'] / 1000:.2f} s), "
+                  f"host lead median {t['lead_ms']['median']:.1f} ms", flush=True)  # fmt: skip
         (args.out / "rows.partial.json").write_text(json.dumps(rows, indent=2, default=str))  # kept if cut short
 
     for arch, mode in [(arch, mode) for arch in args.archs for mode in args.modes]:

@@ -29,6 +29,7 @@ def test_throughput_smoke(tmp_path: Path) -> None:
             "--decoders",
             "pil",
             "nvjpeg",
+            "--timeline",
         ],
         capture_output=True,
         text=True,
@@ -51,6 +52,14 @@ def test_throughput_smoke(tmp_path: Path) -> None:
         assert row["devices"] == 1
         assert row["ratio"] > 0
         assert row["peak_memory_gib"] is None  # CPU: no GPU memory to report
+        if row["setting"].startswith("fit"):  # the step timeline of the epoch reported: its steps, split
+            epoch = row["epochs"][-1]["epoch"]
+            timeline = json.loads((Path(row["log"]).parents[1] / "fit" / Path(row["log"]).stem /
+                                   "step_timeline-rank0.json").read_text())  # fmt: skip
+            assert row["timeline"] == next(e["summary"] for e in timeline if e["epoch"] == epoch)
+            assert row["timeline"]["steps"] > 0 and row["timeline"]["kernels_ms"]["sum"] > 0
+        else:
+            assert "timeline" not in row
     assert rows[0]["ratio"] == 1.0
     env = report["environment"]
     for key in ("cpu_count", "torch", "torchvision", "pytorch_lightning"):
@@ -84,16 +93,18 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     assert (out / "throughput.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
-@pytest.mark.parametrize("ends", ["switched", "stays eager"])
+@pytest.mark.parametrize("ends", ["switched", "stays eager", "switched, timed"])
 def test_a_background_compile_row_reports_its_first_epoch_after_the_switch_and_stops_there(
     tmp_path: Path, ends: str
 ) -> None:
     """The recipe's mode on one GPU trains eagerly until its background compile ends: the row reports the first epoch
-    wholly compiled, and stops the run after it (or where the run says it stays eager, with no figure)."""
+    wholly compiled, and stops the run after it (or where the run says it stays eager, with no figure). With
+    ``--timeline`` it stops once that epoch's step timeline is written, and keeps its summary."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     import throughput
 
-    args = throughput.parse_args(["--out", str(tmp_path), "--row-timeout", "60"])
+    timed = ends == "switched, timed"
+    args = throughput.parse_args(["--out", str(tmp_path), "--row-timeout", "60", *(["--timeline"] if timed else [])])
     args.compile = "background"
     (tmp_path / "logs").mkdir()
     switch = ("Compiled the network from the caches of its background compile (41.2 s) at step 250 and ran its first "
@@ -101,12 +112,21 @@ def test_a_background_compile_row_reports_its_first_epoch_after_the_switch_and_s
     eager = "Compile: eager (the background compile failed (OSError: no space); its log: /c/compile.log)."
     epochs = [f"Epoch {k}: {rate:,} images/s over all processes (25,600 images in 6.4 s)"
               for k, rate in enumerate([4000, 4001, 4002, 4500, 6400])]  # fmt: skip
-    printed = [*epochs[:3], switch if ends == "switched" else eager, *epochs[3:]]
-    script = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in printed) + "time.sleep(60)\n"
+    printed = [*epochs[:3], eager if ends == "stays eager" else switch, *epochs[3:]]
+    script = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in printed)
+    if timed:  # as the callback does: the epoch's line first, then its timeline written, then the timeline's line
+        summaries = [{"epoch": k, "summary": {"steps": 100 + k}, "rows": []} for k in range(5)]
+        written = tmp_path / "step_timeline-rank0.json"
+        script += f"time.sleep(1)\nimport pathlib\npathlib.Path({str(written)!r})"
+        script += f".write_text({json.dumps(summaries)!r})\nprint('Step timeline, epoch 4: ...', flush=True)\n"
+    script += "time.sleep(60)\n"
     started = time.monotonic()
-    row = throughput._run_fit("fit-fake", [sys.executable, "-c", script], args, 1)
+    row = throughput._run_fit("fit-fake", [sys.executable, "-c", script], args, 1, tmp_path)
     assert time.monotonic() - started < 30 and not row["timed_out"]
-    if ends == "switched":
+    assert ("timeline" in row) == timed
+    if timed:
+        assert row["timeline"] == {"steps": 104} and row["images_per_sec"] == 6400
+    elif ends == "switched":
         assert row["images_per_sec"] == 6400 and row["epochs"][-1]["epoch"] == 4
         assert row["switch"] == {"child_seconds": 41.2, "step": 250, "first_compiled_step_seconds": 3.1,
                                  "graphs_found": 2, "graphs": 2, "epoch": 3}  # fmt: skip
@@ -134,6 +154,15 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
     assert rows[2]["detail"] == "skipped: needs 2 CUDA devices" and rows[2]["skipped"]
     bench = gpu_check._bench_row({"setting": "fit-pil", "arch": "resnet50", "devices": 2, "images_per_sec": 5000.0,
                                   "ratio": 0.8, "peak_memory_gib": 11.0})  # fmt: skip
+    assert "timeline" not in bench
+    summary = {"steps": 100, "images": 25600, "epoch_s": 4.0, "head_s": 0.1, "steps_s": 3.6, "tail_s": 0.3,
+               "kernels_ms": {"sum": 3500.0, "median": 35.0, "max": 40.0},
+               "lead_ms": {"sum": 2000.0, "median": 20.123, "max": 30.0}}  # fmt: skip
+    timed = gpu_check._bench_row({"setting": "fit-dali", "arch": "resnet50", "devices": 1, "images_per_sec": 6400.0,
+                                  "ratio": 0.9, "peak_memory_gib": 10.4, "timeline": summary})  # fmt: skip
+    assert timed["timeline"] == {"steps": 100, "epoch_s": 4.0, "head_s": 0.1, "steps_s": 3.6, "tail_s": 0.3,
+                                 "kernels_ms": {"sum_s": 3.5, "median": 35.0},
+                                 "lead_ms": {"sum_s": 2.0, "median": 20.12}}  # fmt: skip
     record = {"commit": "new", "machine": {"gpus": ["H"]},
               "parts": {"tests": {"commit": "old", "passed": 1, "failed": 1, "skipped": 1, "rows": rows},
                         "bench": {"commit": "new", "passed": 1, "failed": 0, "rows": [bench]}}}  # fmt: skip
