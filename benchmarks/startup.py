@@ -17,7 +17,9 @@ runs, each in a process group of its own:
 For each run it reports the seconds from launch to the first logged step (the line of step 10:
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
 ``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
-worker, read from ``/proc/PID/smaps_rollup`` every half second) and, for a compiled network, the
+worker, read from ``/proc/PID/smaps_rollup`` every half second), with its second and its parts at that moment (the
+main process, the loader workers, a background compile's child and that child's compile workers) and, for a
+compiled network, the
 seconds its first step took, compiling or reading the compiler caches (the line ``train.py`` prints).
 The table is printed and written to ``OUT/startup.json``, after rows that time the interpreter's
 imports alone (``torch`` and ``torchvision``, what the reference imports; pytorch-lightning,
@@ -149,7 +151,8 @@ def build_tree(out: Path, sources: list[Path], train: int, val: int, classes: in
     return out
 
 
-def _descendants(pid: int) -> list[int]:
+def _children(pid: int) -> dict[int, list[int]]:
+    """Every process's children, from ``/proc``."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -157,6 +160,11 @@ def _descendants(pid: int) -> list[int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(parent, []).append(int(stat.parent.name))
+    return children
+
+
+def _descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    children = _children(pid) if children is None else children
     found, todo = [], [pid]
     while todo:
         found.append(todo.pop())
@@ -164,17 +172,42 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def tree_pss_gib(pid: int) -> float:
-    """The PSS of ``pid`` and every process below it, in GiB (``/proc/PID/smaps_rollup``)."""
-    total = 0
-    for p in _descendants(pid):
+def _pss_kib(pid: int) -> int:
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+#: The part of a run a process of its tree plays, from its command line (``/proc/PID/cmdline``).
+COMPILE_CHILD = "background_compile.py"
+
+
+def tree_pss_by_part(pid: int) -> dict[str, float]:
+    """The PSS of ``pid``'s process tree in GiB, by part: ``main`` (``pid``), ``loader workers`` (the processes below
+    it, DataLoader workers and the reference's), ``compile child`` (a background compile's process, which runs
+    ``background_compile.py``) and ``compile workers`` (the processes below that child: inductor's compile pool)."""
+    children = _children(pid)
+    parts = {"main": _pss_kib(pid), "loader workers": 0, "compile child": 0, "compile workers": 0}
+    for child in children.get(pid, []):
         try:
-            text = Path(f"/proc/{p}/smaps_rollup").read_text()
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
-        match = re.search(r"^Pss:\s+(\d+) kB", text, re.MULTILINE)
-        total += int(match.group(1)) if match else 0
-    return total / 2**20
+        below = _descendants(child, children)
+        if any(arg.endswith(COMPILE_CHILD.encode()) for arg in command.split(b"\0")):
+            parts["compile child"] += _pss_kib(child)
+            parts["compile workers"] += sum(_pss_kib(p) for p in below[1:])
+        else:
+            parts["loader workers"] += sum(_pss_kib(p) for p in below)
+    return {part: kib / 2**20 for part, kib in parts.items()}
+
+
+def tree_pss_gib(pid: int) -> float:
+    """The PSS of ``pid`` and every process below it, in GiB (``/proc/PID/smaps_rollup``)."""
+    return sum(_pss_kib(p) for p in _descendants(pid)) / 2**20
 
 
 def requirement_closure(names: list[str]) -> list[Any]:
@@ -261,12 +294,14 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     began = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
                             start_new_session=True)  # fmt: skip
-    peak = [0.0]
+    peak: list[Any] = [0.0, {}, 0.0]  # the peak, its parts, its second
     done = threading.Event()
 
     def sample() -> None:
         while not done.wait(0.5):
-            peak[0] = max(peak[0], tree_pss_gib(proc.pid))
+            parts = tree_pss_by_part(proc.pid)
+            if sum(parts.values()) > peak[0]:
+                peak[:] = [sum(parts.values()), parts, time.monotonic() - began]
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -319,6 +354,9 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         "first_step": first,
         "seconds_to_first_step": seen.get(first) if first is not None else None,
         "peak_pss_gib": round(peak[0], 2),
+        # The peak's parts (main process, loader workers, a background compile's child and its compile workers).
+        "peak_pss_parts_gib": {part: round(gib, 2) for part, gib in peak[1].items()},
+        "peak_pss_second": round(peak[2], 1),
         "first_compiled_step_seconds": compiled_step,  # None for an eager run
         "log": str(log),
         "timed_out": timed_out,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -336,10 +337,49 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert sum(by_package.values()) > 0.5 and ("lit_imagenet" in by_package or "other" in by_package)
     assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
+    for row in rows:  # the peak's parts add up to it; a CPU run trains eagerly: no compile child
+        parts = row["peak_pss_parts_gib"]
+        assert parts["main"] > 0 and parts["compile child"] == 0 and parts["compile workers"] == 0
+        assert abs(sum(parts.values()) - row["peak_pss_gib"]) <= 0.03 and row["peak_pss_second"] > 0
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
     assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
+
+
+def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compile_child(tmp_path: Path) -> None:
+    """A process tree of the run's shape: the main process, a forked worker holding 200 MB, and a child running a
+    ``background_compile.py`` with a worker of its own holding 300 MB. Each part is counted where it belongs."""
+    startup = _startup_module()
+    hold = "import sys, time; block = bytearray(int(sys.argv[1]) * 2**20); block[::4096] = b'x' * len(block[::4096]); "
+    child = tmp_path / "background_compile.py"
+    child.write_text(
+        "import subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {hold + 'time.sleep(60)'!r}, '300'])\n"
+        "time.sleep(60)\n"
+    )  # fmt: skip
+    main = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        "if os.fork() == 0:\n"
+        "    block = bytearray(200 * 2**20); block[::4096] = b'x' * len(block[::4096]); time.sleep(60)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", main], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            parts = startup.tree_pss_by_part(proc.pid)
+            if parts["compile workers"] > 0.25 and parts["loader workers"] > 0.18 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert 0.28 < parts["compile workers"] < 0.4, parts  # the child's worker's 300 MB
+        assert 0.18 < parts["loader workers"] < 0.3, parts  # the forked worker's 200 MB
+        assert 0 < parts["compile child"] < 0.1 and 0 < parts["main"] < 0.1, parts
+        assert abs(sum(parts.values()) - startup.tree_pss_gib(proc.pid)) < 0.02
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def test_a_startup_call_stopped_part_way_keeps_the_rows_it_had(tmp_path: Path, monkeypatch) -> None:
