@@ -144,6 +144,7 @@ class ImageClassifier(pl.LightningModule):
         self._compile_clock: float | None = None  # the first compiled step's start, 0 until it starts
         self._switch: CompileSwitch | None = None  # eager until a background compile ends (``compile: background``)
         self._cache_counts: dict[str, int] | None = None  # the compiler caches' counts and the step at the switch
+        self._failure_said = False  # whether the line of a background compile that failed was logged
         self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
@@ -293,9 +294,9 @@ class ImageClassifier(pl.LightningModule):
         if self._switch is not None and self._switch.poll(self.model):
             self._cache_counts = {**compile_cache_counts(), "step": self.trainer.global_step}
             self._compile_clock = 0.0
-        elif self._switch is not None and self._switch.failed is not None and self._cache_counts is None:
+        elif self._switch is not None and self._switch.failed is not None and not self._failure_said:
             rank_zero_info(f"Compile: eager ({self._switch.failed}).")
-            self._cache_counts = {}  # said once
+            self._failure_said = True
         if self._graphed:
             # A new training step: the graphs' outputs of the last one (logits, gradients) may be overwritten.
             torch.compiler.cudagraph_mark_step_begin()
