@@ -66,17 +66,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The lines where a background compile (the recipe's on one GPU) ended and the run switched, and where it did not.
+from throughput import NO_SWITCH_LINE, SWITCH_LINE
+
 REPO = Path(__file__).resolve().parents[1]
 OURS = re.compile(r"^Epoch \d+ \[\d+/\d+\] step (\d+)")
 REFERENCE = re.compile(r"^Epoch: \[\d+\]\[(\d+)/\d+\]")
 # The line ours prints once the compiled network's first step ends (--model.compile): the compile's share.
 COMPILED = re.compile(r"^Compiled the network and ran its first step in ([\d.]+) s")
-# Its line where a background compile (the recipe's on one GPU) ended and the run switched, and where it did not.
-SWITCHED = re.compile(
-    r"^Compiled the network from the caches of its background compile \(([\d.]+) s\) at step (\d+) "
-    r"and ran its first compiled step in ([\d.]+) s: (\d+) of (\d+) graphs"
-)
-NO_SWITCH = re.compile(r"^Compile: (eager|default) \((the background compile|too little free memory)")
 _MARKER = ".links.json"
 
 
@@ -321,14 +318,14 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         compiled = COMPILED.search(line)
         if compiled:
             compiled_step = float(compiled.group(1))
-        switched = SWITCHED.search(line)
+        switched = SWITCH_LINE.match(line)
         if switched:
             child, step, first, found, graphs = switched.groups()
             compiled_step = float(first)
             switch = {"step": int(step), "seconds": round(now, 2), "child_seconds": float(child),
                       "graphs_found": int(found), "graphs": int(graphs)}  # fmt: skip
             target = max(steps, int(step) + after_switch) if waiting else target
-        elif NO_SWITCH.search(line):
+        elif NO_SWITCH_LINE.match(line):
             switch, waiting = {"stays": line.strip()}, False
         match = pattern.search(line)
         if match:
