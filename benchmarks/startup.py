@@ -33,8 +33,9 @@ The report is written again after each row, with ``"complete": false`` until the
 by its time limit keeps the rows it had.
 Each run's record also holds the lines it printed before its first step, each with its second.
 
-With ``--lean`` the imports and a third start of each decoder (a restart) run again with only the
-package's requirements importable (``python -S`` over a folder of links to the installed files of
+With ``--lean`` the imports, the reference (to its first logged step) and two more starts of each decoder (a
+restart in the first run's folders, then a first run in empty folders of its own, both to their first logged step) run
+again with only the package's requirements importable (``python -S`` over a folder of links to the installed files of
 ``setup.cfg``'s requirements and theirs): what a virtual environment of its own gives, where the
 interpreter's environment holds other packages that an import probes for and loads.
 
@@ -394,7 +395,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--label", default="", help="added to the names of this call's runs (e.g. for the extra)")
     parser.add_argument("--no-imports", action="store_true", help="leave out the import rows (a second call)")
     parser.add_argument("--lean", action="store_true",
-                        help="also the imports and each restart with only the requirements importable")  # fmt: skip
+                        help="also the imports, the reference, a restart and a first run with only the "
+                             "requirements importable")  # fmt: skip
     parser.add_argument(
         "--bytecode",
         action="store_true",
@@ -479,33 +481,37 @@ def main(argv: list[str] | None = None) -> int:
                                check=True, capture_output=True, text=True)  # fmt: skip
         by_package["lit_imagenet.cli" + suffix + named] = import_seconds_by_package(timed.stderr)
     if args.reference is not None:
-        cmd = [sys.executable, str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
+        cmd = [str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        add(run("reference" + named, cmd, args.out, args.steps, REFERENCE, batch, args.timeout, env, args.steady_from))
+        add(run("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
+                env, args.steady_from))  # fmt: skip
+        for suffix, python, run_env in pythons[1:]:  # its first step only: what it imports, under the same interpreter
+            add(run("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+                    args.timeout, run_env, args.steady_from))  # fmt: skip
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
-        index = args.out / f"index-{slug}"
-        attempts = [("first run", args.steps, [sys.executable], env)]
+        # Every start of a decoder shares one index and run folder, as a requeued job does: a restart finds the
+        # index and the compiler caches (--model.compile) that the first run left. A first run with only the
+        # requirements importable (--lean) starts from folders of its own, empty.
+        attempts = [("first run", args.steps, [sys.executable], env, slug)]
         attempts += [
-            ("restart" if k == 1 else f"restart {k}", args.restart_steps, [sys.executable], env)
+            ("restart" if k == 1 else f"restart {k}", args.restart_steps, [sys.executable], env, slug)
             for k in range(1, args.restarts + 1)
         ]
-        attempts += [
-            (f"restart{suffix}", args.restart_steps, python, run_env) for suffix, python, run_env in pythons[1:]
-        ]
-        # Every start of a decoder shares one run folder, as a requeued job does: a restart finds the
-        # index and the compiler caches (--model.compile) that the first run left.
-        run_dir = args.out / "runs" / slug
-        for attempt, steps, python, run_env in attempts:
+        for suffix, python, run_env in pythons[1:]:
+            attempts.append((f"restart{suffix}", args.restart_steps, python, run_env, slug))
+            attempts.append((f"first run{suffix}", args.restart_steps, python, run_env, f"{slug}-lean"))
+        for attempt, steps, python, run_env, folder in attempts:
             name = f"{tag}, {attempt}{named}"
+            index, run_dir = args.out / f"index-{folder}", args.out / "runs" / folder
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
-            if attempt == "first run":
+            if attempt.startswith("first run"):
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
-            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from,
-                    args.after_switch))  # fmt: skip
+            switch = args.after_switch if run_env is env else 0  # the lean starts are timed to their first step
+            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch))
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         import torch

@@ -403,6 +403,41 @@ def test_a_startup_call_stopped_part_way_keeps_the_rows_it_had(tmp_path: Path, m
     assert report["tree"]["train"] > 0 and report["machine"] is None
 
 
+def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_path: Path, monkeypatch) -> None:
+    """``--lean``: the reference, a restart in the first run's folders and a first run in empty folders of its own,
+    each under ``python -S`` over the requirements alone and timed to its first step."""
+    startup = _startup_module()
+    calls = []
+
+    def run(name, cmd, out, steps, pattern, images, timeout, env, steady_from=100, after_switch=0):
+        folder = cmd[cmd.index("--trainer.default_root_dir") + 1] if "--trainer.default_root_dir" in cmd else None
+        if folder is not None:  # a first run finds its folder emptied; its index folder is the run's own
+            assert not Path(folder).exists() or not name.startswith("pil, first run")
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            assert Path(cmd[cmd.index("--data.index_dir") + 1]).name == "index-" + Path(folder).name
+        first_path = env.get("PYTHONPATH", "").split(os.pathsep)[0]
+        calls.append((name, cmd[1] == "-S", first_path, steps, after_switch, folder))
+        return {"run": name, "first_step": 1, "seconds_to_first_step": 2.5, "peak_pss_gib": 0.1, "timed_out": False}
+
+    monkeypatch.setattr(startup, "run", run)
+    monkeypatch.setattr(startup, "lean_site", lambda folder, requirements: folder)
+    out = tmp_path / "startup"
+    reference = tmp_path / "main_amp.py"
+    reference.write_text("")
+    argv = ["--out", str(out), "--smoke", "--no-imports", "--tree", str(tmp_path / "tree"), "--lean"]
+    assert startup.main([*argv, "--reference", str(reference), "--steps", "5", "--after-switch", "7"]) == 0
+    lean, runs = str(out / "lean-site"), out / "runs"
+    assert [c[:5] for c in calls] == [
+        ("reference", False, os.environ.get("PYTHONPATH", "").split(os.pathsep)[0], 5, 0),
+        ("reference (requirements only)", True, lean, 1, 0),
+        ("pil, first run", False, calls[0][2], 5, 7),
+        ("pil, restart", False, calls[0][2], 1, 7),
+        ("pil, restart (requirements only)", True, lean, 1, 0),
+        ("pil, first run (requirements only)", True, lean, 1, 0),
+    ]
+    assert [c[5] for c in calls[2:]] == [str(runs / "pil")] * 3 + [str(runs / "pil-lean")]
+
+
 def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
     """``startup.py --lean`` runs with only what the package requires importable: other packages are not probed."""
     startup = _startup_module()
