@@ -7,7 +7,10 @@ while the file system, the folder scan, the index and the host memory see ImageN
 runs, each in a process group of its own:
 
 * the reference script, given with ``--reference PATH`` (NVIDIA apex's ``main_amp.py`` in its form
-  that runs without apex), with its ``--workers``;
+  that runs without apex), with its ``--workers``, then again to its first logged step (``reference, again``;
+  ``--reference-runs`` sets how many runs): it autotunes cuDNN's convolutions (``cudnn.benchmark``), which takes
+  seconds longer in its first run on a machine than in the next ones, so the first row may hold a cost that a
+  restart on the same machine does not pay;
 * ``train.py fit --config configs/resnet50.yaml`` as shipped, once per ``--decoders`` entry, twice:
   a first run with an empty index folder and run folder, then a restart in the same folders, as a
   requeued job: it finds the index, and with ``--model.compile`` the compiler caches. ``--restarts N``
@@ -391,6 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--restarts", type=int, default=1,
                         help="restarts of each decoder after its first run, one row each (default 1)")  # fmt: skip
     parser.add_argument("--workers", type=int, default=15, help="the reference's --workers (the recipe's 15)")
+    parser.add_argument("--reference-runs", type=int, default=2,
+                        help="runs of the reference: the first to --steps, the others to their first logged step "
+                             "(default 2)")  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600, help="seconds before a run is stopped")
     parser.add_argument("--label", default="", help="added to the names of this call's runs (e.g. for the extra)")
     parser.add_argument("--no-imports", action="store_true", help="leave out the import rows (a second call)")
@@ -406,6 +412,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.restarts < 1:
         parser.error(f"--restarts must be at least 1. Got {args.restarts}")
+    if args.reference_runs < 1:
+        parser.error(f"--reference-runs must be at least 1. Got {args.reference_runs}")
     full = {"tree": Path("/tmp/imagenet_links"), "sources": 25_602, "train": 1_281_167, "val": 50_000,
             "classes": 1000, "steps": 400, "steady_from": 100, "restart_steps": 10, "decoders": ["auto"]}  # fmt: skip
     smoke = {"tree": args.out / "tree", "sources": 8, "train": 60, "val": 12, "classes": 4, "steps": 3,
@@ -485,6 +493,10 @@ def main(argv: list[str] | None = None) -> int:
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
         add(run("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
                 env, args.steady_from))  # fmt: skip
+        for k in range(2, args.reference_runs + 1):
+            again = "reference, again" + ("" if k == 2 else f" {k - 1}")
+            add(run(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+                    args.timeout, env, args.steady_from))  # fmt: skip
         for suffix, python, run_env in pythons[1:]:  # its first step only: what it imports, under the same interpreter
             add(run("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
                     args.timeout, run_env, args.steady_from))  # fmt: skip

@@ -405,7 +405,8 @@ def test_a_startup_call_stopped_part_way_keeps_the_rows_it_had(tmp_path: Path, m
 
 def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_path: Path, monkeypatch) -> None:
     """``--lean``: the reference, a restart in the first run's folders and a first run in empty folders of its own,
-    each under ``python -S`` over the requirements alone and timed to its first step."""
+    each under ``python -S`` over the requirements alone and timed to its first step. The reference also runs a
+    second time as it is, to its first step: its first run on a machine autotunes cuDNN for longer."""
     startup = _startup_module()
     calls = []
 
@@ -429,13 +430,16 @@ def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_pa
     lean, runs = str(out / "lean-site"), out / "runs"
     assert [c[:5] for c in calls] == [
         ("reference", False, os.environ.get("PYTHONPATH", "").split(os.pathsep)[0], 5, 0),
+        ("reference, again", False, calls[0][2], 1, 0),
         ("reference (requirements only)", True, lean, 1, 0),
         ("pil, first run", False, calls[0][2], 5, 7),
         ("pil, restart", False, calls[0][2], 1, 7),
         ("pil, restart (requirements only)", True, lean, 1, 0),
         ("pil, first run (requirements only)", True, lean, 1, 0),
     ]
-    assert [c[5] for c in calls[2:]] == [str(runs / "pil")] * 3 + [str(runs / "pil-lean")]
+    assert [c[5] for c in calls[3:]] == [str(runs / "pil")] * 3 + [str(runs / "pil-lean")]
+    with pytest.raises(SystemExit):
+        startup.parse_args([*argv, "--reference-runs", "0"])
 
 
 def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
