@@ -28,6 +28,9 @@ The table is printed and written to ``OUT/startup.json``, after rows that time t
 imports alone (``torch`` and ``torchvision``, what the reference imports; pytorch-lightning,
 torchmetrics and jsonargparse, each alone; ``lit_imagenet.cli``, what ``train.py`` imports, also
 split by package from ``python -X importtime``): the part of a start that no data path can shorten.
+Then each decoder beside the reference (``beside_reference`` in the report): its first runs' seconds as fractions
+of the reference's first run, of its next one and, with ``--lean``, of its run with only the requirements
+importable; its restarts' seconds; its first run's peak PSS as a fraction of the reference's.
 Caches are left warm: the tree was just built or used. With ``--after-switch N`` a run that compiles in the
 background (the recipe's ``auto`` on one GPU) goes on until N steps after its switch to the compiled network:
 its row then holds the switch (its step and second, the child's seconds, the graphs found in the caches), the
@@ -354,6 +357,7 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         "run": name,
         "first_step": first,
         "seconds_to_first_step": seen.get(first) if first is not None else None,
+        "last_step": max(seen) if seen else None,  # the span the peak PSS covers
         "peak_pss_gib": round(peak[0], 2),
         # The peak's parts (main process, loader workers, a background compile's child and its compile workers).
         "peak_pss_parts_gib": {part: round(gib, 2) for part, gib in peak[1].items()},
@@ -372,6 +376,47 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
         if len(after) > 1 and after[-1] - after[0] >= 100:
             row["compiled_images_per_sec"] = round((after[-1] - after[0]) * images / (seen[after[-1]] - seen[after[0]]))
     return row
+
+
+def beside_reference(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each decoder's starts beside the reference's, from rows tagged with ``of``, ``start`` and
+    ``requirements_only``: the seconds to the first logged step as a fraction of the reference's first run
+    (on a fresh machine, the one that autotunes cuDNN for longest) and of its next run, with only the requirements
+    importable beside the reference's run of that kind, the restarts' seconds, and the peak PSS as a fraction of the
+    reference's first run (``peak_pss_same_span``: whether both stopped at the same step). An entry is left out
+    where a row it needs is missing or never reached its first step."""
+
+    def seconds(row: dict[str, Any] | None) -> float | None:
+        return row["seconds_to_first_step"] if row is not None else None
+
+    def find(of: str, start: str, lean: bool) -> dict[str, Any] | None:
+        return next((r for r in rows if r.get("of") == of and r.get("start") == start
+                     and r.get("requirements_only") == lean), None)  # fmt: skip
+
+    reference, again = find("reference", "first run", False), find("reference", "again", False)
+    reference_lean = find("reference", "first run", True)
+    out: dict[str, dict[str, Any]] = {}
+    for of in dict.fromkeys(r["of"] for r in rows if r.get("of") not in (None, "reference")):
+        first, lean_first = find(of, "first run", False), find(of, "first run", True)
+        entry: dict[str, Any] = {}
+        for key, ours, theirs in (
+            ("first_run_over_reference_first_run", first, reference),
+            ("first_run_over_reference_again", first, again),
+            ("requirements_only_first_run_over_reference", lean_first, reference_lean),
+        ):
+            if seconds(ours) is not None and seconds(theirs) is not None:
+                entry[key] = round(seconds(ours) / seconds(theirs), 2)
+        for key, lean in (("restart_seconds", False), ("requirements_only_restart_seconds", True)):
+            restarts = [r["seconds_to_first_step"] for r in rows if r.get("of") == of
+                        and r.get("start", "").startswith("restart") and r.get("requirements_only") == lean
+                        and r["seconds_to_first_step"] is not None]  # fmt: skip
+            if restarts:
+                entry[key] = [round(t, 1) for t in restarts]
+        if first is not None and reference is not None and reference["peak_pss_gib"]:
+            entry["peak_pss_over_reference"] = round(first["peak_pss_gib"] / reference["peak_pss_gib"], 2)
+            entry["peak_pss_same_span"] = first.get("last_step") == reference.get("last_step")
+        out[of] = entry
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -458,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     def write_report(machine: dict[str, Any] | None) -> None:
         """The report so far; complete once the machine's entry, read after the last run, is given."""
         report = {"tree": tree_info, "machine": machine, "rows": rows, "import_seconds_by_package": by_package,
-                  "complete": machine is not None}  # fmt: skip
+                  "beside_reference": beside_reference(rows), "complete": machine is not None}  # fmt: skip
         (args.out / "startup.json").write_text(json.dumps(report, indent=2) + "\n")
 
     def add(row: dict[str, Any]) -> None:
@@ -491,15 +536,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference is not None:
         cmd = [str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        add(run("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
-                env, args.steady_from))  # fmt: skip
+        row = run("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
+                  env, args.steady_from)  # fmt: skip
+        add({**row, "of": "reference", "start": "first run", "requirements_only": False})
         for k in range(2, args.reference_runs + 1):
             again = "reference, again" + ("" if k == 2 else f" {k - 1}")
-            add(run(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
-                    args.timeout, env, args.steady_from))  # fmt: skip
+            row = run(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+                      args.timeout, env, args.steady_from)  # fmt: skip
+            add({**row, "of": "reference", "start": "again" if k == 2 else f"again {k - 1}",
+                 "requirements_only": False})  # fmt: skip
         for suffix, python, run_env in pythons[1:]:  # its first step only: what it imports, under the same interpreter
-            add(run("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
-                    args.timeout, run_env, args.steady_from))  # fmt: skip
+            row = run("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+                      args.timeout, run_env, args.steady_from)  # fmt: skip
+            add({**row, "of": "reference", "start": "first run", "requirements_only": True})
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
@@ -516,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
             attempts.append((f"first run{suffix}", args.restart_steps, python, run_env, f"{slug}-lean"))
         for attempt, steps, python, run_env, folder in attempts:
             name = f"{tag}, {attempt}{named}"
+            start = attempt.split(" (")[0]  # "first run", "restart", "restart 2", without the interpreter's suffix
             index, run_dir = args.out / f"index-{folder}", args.out / "runs" / folder
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
@@ -523,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             if attempt.startswith("first run"):
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
             switch = args.after_switch if run_env is env else 0  # the lean starts are timed to their first step
-            add(run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch))
+            row = run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch)
+            add({**row, "of": tag, "start": start, "requirements_only": run_env is not env})
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
         import torch
@@ -546,6 +597,11 @@ def main(argv: list[str] | None = None) -> int:
     for what, seconds_by_package in by_package.items():
         print(f"\nimport {what}, seconds by package: "
               + ", ".join(f"{name} {seconds:.2f}" for name, seconds in seconds_by_package.items()))  # fmt: skip
+    beside = beside_reference(rows)
+    if any(beside.values()):
+        print("\nBeside the reference (seconds to the first logged step as a fraction of the reference's):")
+        for of, entry in beside.items():
+            print(f"  {of}: " + "; ".join(f"{key} {value}" for key, value in entry.items()))
     print(f"\nReport: {args.out / 'startup.json'}")
     return int(any(row["seconds_to_first_step"] is None for row in rows if "seconds" not in row))
 

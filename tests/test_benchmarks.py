@@ -418,7 +418,11 @@ def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_pa
             assert Path(cmd[cmd.index("--data.index_dir") + 1]).name == "index-" + Path(folder).name
         first_path = env.get("PYTHONPATH", "").split(os.pathsep)[0]
         calls.append((name, cmd[1] == "-S", first_path, steps, after_switch, folder))
-        return {"run": name, "first_step": 1, "seconds_to_first_step": 2.5, "peak_pss_gib": 0.1, "timed_out": False}
+        seconds = {"reference": 20.0, "reference, again": 10.0, "reference (requirements only)": 12.0,
+                   "pil, first run": 8.0, "pil, restart": 7.0, "pil, restart (requirements only)": 5.0,
+                   "pil, first run (requirements only)": 6.0}[name]  # fmt: skip
+        return {"run": name, "first_step": 1, "seconds_to_first_step": seconds, "last_step": steps + after_switch,
+                "peak_pss_gib": 4.0 if name == "reference" else 3.0, "timed_out": False}  # fmt: skip
 
     monkeypatch.setattr(startup, "run", run)
     monkeypatch.setattr(startup, "lean_site", lambda folder, requirements: folder)
@@ -438,8 +442,31 @@ def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_pa
         ("pil, first run (requirements only)", True, lean, 1, 0),
     ]
     assert [c[5] for c in calls[3:]] == [str(runs / "pil")] * 3 + [str(runs / "pil-lean")]
+    # Each decoder beside the reference: its first runs as fractions of the reference's, its restarts' seconds.
+    assert json.loads((out / "startup.json").read_text())["beside_reference"] == {"pil": {
+        "first_run_over_reference_first_run": 0.4, "first_run_over_reference_again": 0.8,
+        "requirements_only_first_run_over_reference": 0.5, "restart_seconds": [7.0],
+        "requirements_only_restart_seconds": [5.0], "peak_pss_over_reference": 0.75, "peak_pss_same_span": False,
+    }}  # fmt: skip
     with pytest.raises(SystemExit):
         startup.parse_args([*argv, "--reference-runs", "0"])
+
+
+def test_a_start_that_never_reached_its_first_step_is_left_out_of_the_comparison() -> None:
+    startup = _startup_module()
+
+    def row(of, start, seconds, lean=False, last=400, pss=5.0):
+        return {"of": of, "start": start, "requirements_only": lean, "seconds_to_first_step": seconds,
+                "last_step": last, "peak_pss_gib": pss}  # fmt: skip
+
+    rows = [row("reference", "first run", 20.0), row("dali", "first run", None, last=None, pss=2.0),
+            row("dali", "restart", 9.0, last=10), row("dali", "restart 2", None, last=None),
+            row("nvjpeg", "first run", 12.0, pss=4.0)]  # fmt: skip
+    beside = startup.beside_reference(rows)
+    assert beside["dali"] == {"restart_seconds": [9.0], "peak_pss_over_reference": 0.4, "peak_pss_same_span": False}
+    assert beside["nvjpeg"] == {"first_run_over_reference_first_run": 0.6, "peak_pss_over_reference": 0.8,
+                                "peak_pss_same_span": True}  # fmt: skip
+    assert startup.beside_reference(rows[1:]) == {"dali": {"restart_seconds": [9.0]}, "nvjpeg": {}}
 
 
 def test_the_lean_site_holds_the_requirements_and_nothing_else(tmp_path: Path) -> None:
