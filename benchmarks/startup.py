@@ -555,22 +555,22 @@ def main(argv: list[str] | None = None) -> int:
         # Every start of a decoder shares one index and run folder, as a requeued job does: a restart finds the
         # index and the compiler caches (--model.compile) that the first run left. A first run with only the
         # requirements importable (--lean) starts from folders of its own, empty.
-        attempts = [("first run", args.steps, [sys.executable], env, slug)]
+        # Each start: its kind, the interpreter's row suffix, the step it stops at, the interpreter, its folder.
+        attempts = [("first run", "", args.steps, [sys.executable], env, slug)]
         attempts += [
-            ("restart" if k == 1 else f"restart {k}", args.restart_steps, [sys.executable], env, slug)
+            ("restart" if k == 1 else f"restart {k}", "", args.restart_steps, [sys.executable], env, slug)
             for k in range(1, args.restarts + 1)
         ]
         for suffix, python, run_env in pythons[1:]:
-            attempts.append((f"restart{suffix}", args.restart_steps, python, run_env, slug))
-            attempts.append((f"first run{suffix}", args.restart_steps, python, run_env, f"{slug}-lean"))
-        for attempt, steps, python, run_env, folder in attempts:
-            name = f"{tag}, {attempt}{named}"
-            start = attempt.split(" (")[0]  # "first run", "restart", "restart 2", without the interpreter's suffix
+            attempts.append(("restart", suffix, args.restart_steps, python, run_env, slug))
+            attempts.append(("first run", suffix, args.restart_steps, python, run_env, f"{slug}-lean"))
+        for start, suffix, steps, python, run_env, folder in attempts:
+            name = f"{tag}, {start}{suffix}{named}"
             index, run_dir = args.out / f"index-{folder}", args.out / "runs" / folder
             cmd = [*python, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
                    "--data.root", str(tree), "--data.decoder", decoder, "--data.index_dir", str(index),
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
-            if attempt.startswith("first run"):
+            if start == "first run":
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
             switch = args.after_switch if run_env is env else 0  # the lean starts are timed to their first step
             row = run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch)
