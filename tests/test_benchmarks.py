@@ -351,7 +351,13 @@ def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compil
     """A process tree of the run's shape: the main process, a forked worker holding 200 MB, and a child running a
     ``background_compile.py`` with a worker of its own holding 300 MB. Each part is counted where it belongs."""
     startup = _startup_module()
-    hold = "import sys, time; block = bytearray(int(sys.argv[1]) * 2**20); block[::4096] = b'x' * len(block[::4096]); "
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    touch = f"import pathlib; pathlib.Path({str(ready)!r}, str(os.getpid())).touch(); "  # once every page is in
+    hold = (
+        "import os, sys, time; block = bytearray(int(sys.argv[1]) * 2**20); block[::4096] = b'x' * len(block[::4096]); "
+        + touch
+    )
     child = tmp_path / "background_compile.py"
     child.write_text(
         "import subprocess, sys, time\n"
@@ -362,17 +368,15 @@ def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compil
         "import os, subprocess, sys, time\n"
         f"subprocess.Popen([sys.executable, {str(child)!r}])\n"
         "if os.fork() == 0:\n"
-        "    block = bytearray(200 * 2**20); block[::4096] = b'x' * len(block[::4096]); time.sleep(60)\n"
+        f"    block = bytearray(200 * 2**20); block[::4096] = b'x' * len(block[::4096]); {touch}time.sleep(60)\n"
         "time.sleep(60)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", main], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while True:
-            parts = startup.tree_pss_by_part(proc.pid)
-            if parts["compile workers"] > 0.25 and parts["loader workers"] > 0.18 or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:  # both holders have touched their pages
+            time.sleep(0.1)
+        parts = startup.tree_pss_by_part(proc.pid)
         assert 0.28 < parts["compile workers"] < 0.4, parts  # the child's worker's 300 MB
         assert 0.18 < parts["loader workers"] < 0.3, parts  # the forked worker's 200 MB
         assert 0 < parts["compile child"] < 0.1 and 0 < parts["main"] < 0.1, parts
