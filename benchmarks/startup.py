@@ -51,10 +51,16 @@ filled before the first timed row by one import of what the runs import: what an
 compiled its bytecode gives (pip's default), where the interpreter's packages hold none. Its rows are
 named with `` (bytecode cached)``.
 
+With ``--probe`` each run of this package also carries the callback of ``benchmarks/probe.py``: its row then holds
+when training started, when each of its first batches came and when its step ended (``probe.batches_s``), and its
+main process's PSS after some steps, split by what is mapped, beside the page-locked memory that torch holds for
+batches on their way to the GPU (``probe.memory``).
+
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
     python benchmarks/startup.py --out runs/su2 --no-imports --decoders auto --label compiled -- --model.compile true
     python benchmarks/startup.py --out runs/su3 --bytecode --reference main_amp.py
+    python benchmarks/startup.py --out runs/su4 --bytecode --no-imports --probe --decoders pil nvjpeg
     python benchmarks/startup.py --out /tmp/startup --smoke   # CPU, a tiny tree, well under a minute
 """
 
@@ -287,14 +293,47 @@ def install_requires() -> list[str]:
     return [re.split(r"[<>=!~; ]", line.strip(), maxsplit=1)[0] for line in lines if line.strip()]
 
 
+def probe_summary(text: str, launched: float) -> dict[str, Any]:
+    """The events of ``benchmarks/probe.py`` in seconds from the run's launch (``launched``, the wall clock):
+    when training started, the start and end of each of the first batches (``[batch, start, end]``), and the main
+    process's memory after its steps (GiB; ``pinned_gib``: the caching host allocator's counts, on CUDA). A line cut
+    short by the run's end is left out."""
+    events = []
+    for line in text.splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            continue
+
+    def second(event: dict[str, Any]) -> float:
+        return round(event["t"] - launched, 3)
+
+    out: dict[str, Any] = {}
+    start = next((e for e in events if e["event"] == "train_start"), None)
+    if start is not None:
+        out["train_start_s"] = second(start)
+    starts = {e["batch"]: second(e) for e in events if e["event"] == "batch_start"}
+    ends = {e["batch"]: second(e) for e in events if e["event"] == "batch_end"}
+    out["batches_s"] = [[batch, starts[batch], ends.get(batch)] for batch in sorted(starts)]
+    out["memory"] = [
+        {"step": e["step"], "second": second(e), "main_pss_gib": e["main_pss_gib"],
+         "pinned_gib": {key: round(value / 2**30, 3) for key, value in e["pinned"].items()}}
+        for e in events if e["event"] == "memory"
+    ]  # fmt: skip
+    return out
+
+
 def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int, timeout: float,
-        env: dict[str, str], steady_from: int = 100, after_switch: int = 0) -> dict[str, Any]:  # fmt: skip
+        env: dict[str, str], steady_from: int = 100, after_switch: int = 0,
+        probe: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Runs ``cmd`` until its line of step ``steps`` (or its end, or ``timeout``): the first step's time, the
     throughput from step ``steady_from`` to ``steps``, the peak PSS. With ``after_switch``, a run that compiles in
     the background goes on until that many steps after its switch to the compiled network (the peak PSS then covers
-    the compile), and the compiled network's images/s are taken from 20 steps after the switch to the end."""
+    the compile), and the compiled network's images/s are taken from 20 steps after the switch to the end. With
+    ``probe``, the file that ``cmd``'s ``benchmarks/probe.py`` callback writes: its events go into the row."""
     log = out / "logs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    launched = time.time()
     began = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
                             start_new_session=True)  # fmt: skip
@@ -370,6 +409,8 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     }
     if steady_from in seen and steps in seen and steps > steady_from:
         row["images_per_sec"] = round((steps - steady_from) * images / (seen[steps] - seen[steady_from]))
+    if probe is not None and probe.is_file():
+        row["probe"] = probe_summary(probe.read_text(), launched)
     if switch is not None:
         row["switch"] = switch
         after = sorted(step for step in seen if "step" in switch and step >= switch["step"] + 20)
@@ -453,6 +494,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every process with a compiled bytecode cache under OUT/pycache, filled first",
     )
+    parser.add_argument("--probe", action="store_true",
+                        help="this package's runs also write their first batches and their main process's memory "
+                             "(benchmarks/probe.py) into their rows")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more train.py arguments, after --")
     args = parser.parse_args(argv)
     if args.restarts < 1:
@@ -572,8 +616,17 @@ def main(argv: list[str] | None = None) -> int:
                    "--trainer.default_root_dir", str(run_dir), *common, *args.extra]  # fmt: skip
             if start == "first run":
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
+            probe = None
+            if args.probe:
+                probe = args.out / "probes" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.jsonl"
+                probe.unlink(missing_ok=True)
+                init = {"path": str(probe), **({"memory_steps": [2]} if args.smoke else {})}
+                cmd.append("--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.probe.StartupProbe",
+                                                                 "init_args": init}))  # fmt: skip
             switch = args.after_switch if run_env is env else 0  # the lean starts are timed to their first step
-            row = run(name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch)
+            row = run(
+                name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch, probe=probe
+            )
             add({**row, "of": tag, "start": start, "requirements_only": run_env is not env})
     machine = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
     try:
@@ -594,6 +647,13 @@ def main(argv: list[str] | None = None) -> int:
         compiled = row.get("first_compiled_step_seconds")
         compiled = f"{compiled:.1f}" if compiled is not None else "-"
         print(f"{row['run']:<28} {first:>15} {compiled:>18} {rate:>10} {row['peak_pss_gib']:>15.2f}")
+    for row in rows:
+        probe = row.get("probe")
+        if probe and probe["batches_s"]:
+            _, first, end = probe["batches_s"][0]
+            ended = f"{end:.2f}" if end is not None else "-"
+            print(f"{row['run']}: training started at {probe.get('train_start_s', float('nan')):.2f} s, its first "
+                  f"batch came at {first:.2f} s and its first step ended at {ended} s")  # fmt: skip
     for what, seconds_by_package in by_package.items():
         print(f"\nimport {what}, seconds by package: "
               + ", ".join(f"{name} {seconds:.2f}" for name, seconds in seconds_by_package.items()))  # fmt: skip

@@ -325,7 +325,7 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert sum(1 for _ in (tree / "val").rglob("*.JPEG")) == 4 and os.stat(sources[0]).st_nlink == 1 + 5
     assert startup.build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3) == tree  # kept, not made again
     out = tmp_path / "startup"
-    assert startup.main(["--out", str(out), "--smoke"]) == 0
+    assert startup.main(["--out", str(out), "--smoke", "--probe"]) == 0
     report = json.loads((out / "startup.json").read_text())
     assert report["complete"] is True and report["machine"]["cpus"] >= 1
     imports, rows = report["rows"][:5], report["rows"][5:]
@@ -345,6 +345,35 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
+    for row in rows:  # --probe: training's start, then the first batch, whose step's end is the first logged step's
+        probe = row["probe"]
+        (_, came, ended), *later = probe["batches_s"]
+        assert 0 < probe["train_start_s"] <= came <= ended < row["seconds_to_first_step"] + 0.5, probe
+        assert all(start >= ended for _, start, _ in later[:1]), probe
+    (memory,) = rows[0]["probe"]["memory"]  # the smoke's first run writes its memory after step 2; the restart none
+    assert memory["step"] == 2 and memory["pinned_gib"] == {} and rows[1]["probe"]["memory"] == []
+    assert memory["main_pss_gib"]["files"] > 0.05 and 0.1 < sum(memory["main_pss_gib"].values()) < 3, memory
+
+
+def test_the_probe_splits_a_process_pss_by_what_is_mapped() -> None:
+    """64 MiB of torch's shared memory (what a loader worker's batch arrives in) count as shared memory, and the
+    parts add up to the process's PSS."""
+    sys.path.insert(0, str(REPO))
+    try:
+        from benchmarks.probe import pss_by_kind
+    finally:
+        sys.path.pop(0)
+    import torch
+
+    before = pss_by_kind()
+    block = torch.ones(64 * 2**20, dtype=torch.uint8).share_memory_()
+    block[::4096] = 2  # every page in
+    after = pss_by_kind()
+    assert 0.06 < after["shared memory"] - before["shared memory"] < 0.07, (before, after)
+    assert after["files"] > 0 and after["anonymous"] > 0
+    rollup = int(re.search(r"^Pss:\s+(\d+) kB", Path("/proc/self/smaps_rollup").read_text(), re.M).group(1))
+    assert abs(sum(after.values()) - rollup / 2**20) < 0.01
+    del block
 
 
 def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compile_child(tmp_path: Path) -> None:
@@ -414,7 +443,7 @@ def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_pa
     startup = _startup_module()
     calls = []
 
-    def run(name, cmd, out, steps, pattern, images, timeout, env, steady_from=100, after_switch=0):
+    def run(name, cmd, out, steps, pattern, images, timeout, env, steady_from=100, after_switch=0, probe=None):
         folder = cmd[cmd.index("--trainer.default_root_dir") + 1] if "--trainer.default_root_dir" in cmd else None
         if folder is not None:  # a first run finds its folder emptied; its index folder is the run's own
             assert not Path(folder).exists() or not name.startswith("pil, first run")
