@@ -1,5 +1,6 @@
 """Command-line arguments shared by the tests that run ``train.py`` on the tiny generated data."""
 
+import re
 from pathlib import Path
 
 
@@ -12,3 +13,9 @@ def fit_args(root: Path, out: Path, *extra: str, batch_size: int = 8, workers: i
         "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out),
         "--trainer.logger.init_args.save_dir", str(out), *extra,
     ]  # fmt: skip
+
+
+def error_lines(err: str) -> list[str]:
+    """The lines of a run's standard error without the warnings that libraries print (``path.py:LINE: message``):
+    on a machine with SLURM's ``srun``, Lightning warns that it is not used before the error a test looks at."""
+    return [line for line in err.strip().splitlines() if not re.match(r"^\S+\.py:\d+: ", line)]

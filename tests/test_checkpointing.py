@@ -13,6 +13,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from lit_imagenet.callbacks import preemption
 from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
+from tests.cli_args import error_lines
 from tests.cli_args import fit_args as _fit_args
 from tests.runs import wait_for_file
 
@@ -120,8 +121,8 @@ def test_disk_full_in_a_fit_is_one_line_and_exit_1(shapes_root: Path, tmp_path: 
     with pytest.raises(SystemExit) as exc:
         main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1", "--trainer.limit_val_batches", "0"))
     assert exc.value.code == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: No space left to write checkpoint") and ".ckpt" in err and "\n" not in err
+    (err,) = error_lines(capsys.readouterr().err)
+    assert err.startswith("error: No space left to write checkpoint") and ".ckpt" in err
 
 
 def _step(ckpt: Path) -> int:

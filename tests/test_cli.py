@@ -9,7 +9,7 @@ import torch
 
 from lit_imagenet.cli import main, uncompiled_imports_warning
 from lit_imagenet.training.models import build_model
-from tests.cli_args import fit_args
+from tests.cli_args import error_lines, fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -133,8 +133,8 @@ def test_missing_root_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(fit_args(tmp_path / "nowhere", tmp_path, "--trainer.max_epochs", "1", workers=1))
     assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: Data root") and "nowhere" in err and "\n" not in err
+    (err,) = error_lines(capsys.readouterr().err)
+    assert err.startswith("error: Data root") and "nowhere" in err
 
 
 def test_corrupt_image_found_in_a_worker_stops_the_run_with_its_name(shapes_root: Path, tmp_path: Path) -> None:

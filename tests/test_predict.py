@@ -8,6 +8,7 @@ from lit_imagenet.callbacks import PredictionWriter
 from lit_imagenet.cli import main
 from lit_imagenet.data.synthetic import SHAPES, make_shapes
 from lit_imagenet.training.models import build_model
+from tests.cli_args import error_lines
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +76,9 @@ def test_predict_without_checkpoint_or_classes_is_one_line(shapes_root: Path, tm
     with pytest.raises(SystemExit) as exc:
         main(["predict", "--data.predict_root", str(shapes_root / "val"), *_common(tmp_path)])
     assert exc.value.code == 2
-    assert capsys.readouterr().err.strip() == (
+    assert error_lines(capsys.readouterr().err) == [
         "error: The number of classes is unknown; give --ckpt_path of a trained model or --data.root."
-    )
+    ]
 
 
 def test_predict_keeps_no_probabilities_in_memory_unless_asked(
