@@ -293,6 +293,11 @@ def install_requires() -> list[str]:
     return [re.split(r"[<>=!~; ]", line.strip(), maxsplit=1)[0] for line in lines if line.strip()]
 
 
+def slug(name: str) -> str:
+    """``name`` as a file name: each run of characters but letters, digits, ``_``, ``.`` and ``-`` as one ``-``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name)
+
+
 def probe_summary(text: str, launched: float) -> dict[str, Any]:
     """The events of ``benchmarks/probe.py`` in seconds from the run's launch (``launched``, the wall clock):
     when training started, the start and end of each of the first batches (``[batch, start, end]``), and the main
@@ -331,7 +336,7 @@ def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[st
     the background goes on until that many steps after its switch to the compiled network (the peak PSS then covers
     the compile), and the compiled network's images/s are taken from 20 steps after the switch to the end. With
     ``probe``, the file that ``cmd``'s ``benchmarks/probe.py`` callback writes: its events go into the row."""
-    log = out / "logs" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.log"
+    log = out / "logs" / f"{slug(name)}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     launched = time.time()
     began = time.monotonic()
@@ -595,19 +600,19 @@ def main(argv: list[str] | None = None) -> int:
             add({**row, "of": "reference", "start": "first run", "requirements_only": True})
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
-        slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", tag)
+        folder_name = slug(tag)
         # Every start of a decoder shares one index and run folder, as a requeued job does: a restart finds the
         # index and the compiler caches (--model.compile) that the first run left. A first run with only the
         # requirements importable (--lean) starts from folders of its own, empty.
         # Each start: its kind, the interpreter's row suffix, the step it stops at, the interpreter, its folder.
-        attempts = [("first run", "", args.steps, [sys.executable], env, slug)]
+        attempts = [("first run", "", args.steps, [sys.executable], env, folder_name)]
         attempts += [
-            ("restart" if k == 1 else f"restart {k}", "", args.restart_steps, [sys.executable], env, slug)
+            ("restart" if k == 1 else f"restart {k}", "", args.restart_steps, [sys.executable], env, folder_name)
             for k in range(1, args.restarts + 1)
         ]
         for suffix, python, run_env in pythons[1:]:
-            attempts.append(("restart", suffix, args.restart_steps, python, run_env, slug))
-            attempts.append(("first run", suffix, args.restart_steps, python, run_env, f"{slug}-lean"))
+            attempts.append(("restart", suffix, args.restart_steps, python, run_env, folder_name))
+            attempts.append(("first run", suffix, args.restart_steps, python, run_env, f"{folder_name}-lean"))
         for start, suffix, steps, python, run_env, folder in attempts:
             name = f"{tag}, {start}{suffix}{named}"
             index, run_dir = args.out / f"index-{folder}", args.out / "runs" / folder
@@ -618,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
                 subprocess.run(["rm", "-rf", str(index), str(run_dir)], check=True)
             probe = None
             if args.probe:
-                probe = args.out / "probes" / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', name)}.jsonl"
+                probe = args.out / "probes" / f"{slug(name)}.jsonl"
                 probe.unlink(missing_ok=True)
                 init = {"path": str(probe), **({"memory_steps": [2]} if args.smoke else {})}
                 cmd.append("--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.probe.StartupProbe",
