@@ -401,3 +401,21 @@ def test_the_scan_processes_leave_the_parents_garbage_alone(tmp_path: Path, monk
     monkeypatch.setattr(folders, "_walk_class", _walk_and_collect)
     freed = _freed_by(tmp_path / "freed", lambda: folders.scan_split(tmp_path / "train", processes=2))
     assert freed == [str(os.getpid())]
+
+
+def test_on_cuda_the_prefetcher_pins_and_the_loader_starts_no_pin_thread(shapes_root: Path) -> None:
+    """DataLoader's pin thread would pin every batch the workers hand over; the prefetcher pins only those it copies."""
+    data = list(range(4))
+    on_cuda = PrefetchLoader(data, batch_size=2, pin_memory=True, device="cuda")
+    assert on_cuda.pins_in_prefetcher and on_cuda.pin_memory is False
+    plain = PrefetchLoader(data, batch_size=2, pin_memory=True)
+    assert not plain.pins_in_prefetcher and plain.pin_memory is True
+    unpinned = PrefetchLoader(data, batch_size=2, pin_memory=False, device="cuda")
+    assert not unpinned.pins_in_prefetcher and unpinned.pin_memory is False
+
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=32, val_resize=36)
+    dm.prefetch_device = torch.device("cuda")  # as CUDAPrefetch sets it on a CUDA run
+    assert all(loader.pins_in_prefetcher for loader in (dm.train_dataloader(), dm.val_dataloader()))
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=32, pin_memory=False)
+    dm.prefetch_device = torch.device("cuda")
+    assert not dm.train_dataloader().pins_in_prefetcher

@@ -12,20 +12,21 @@ import pytorch_lightning as pl
 import torch
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.data.prefetch import CUDAPrefetcher
+from lit_imagenet.data.prefetch import CUDAPrefetcher, PrefetchLoader
 from lit_imagenet.data.presets import Uint8Normalize
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _batches(n: int, size: int = 512) -> list[list[torch.Tensor]]:
+def _batches(n: int, size: int = 512, pinned: bool = True) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
-    return [
-        [torch.randint(0, 256, (size, 3, 224, 224), dtype=torch.uint8, generator=g).pin_memory(),
-         torch.randint(0, 10, (size,)).pin_memory()]
+    batches = [
+        [torch.randint(0, 256, (size, 3, 224, 224), dtype=torch.uint8, generator=g),
+         torch.randint(0, 10, (size,))]
         for _ in range(n)
     ]  # fmt: skip
+    return [[t.pin_memory() for t in batch] for batch in batches] if pinned else batches
 
 
 def _compute(x: torch.Tensor, weight: torch.Tensor, reps: int) -> torch.Tensor:
@@ -35,10 +36,11 @@ def _compute(x: torch.Tensor, weight: torch.Tensor, reps: int) -> torch.Tensor:
     return y
 
 
-def test_prefetcher_output_equals_plain_normalisation() -> None:
+@pytest.mark.parametrize("pin", [False, True])
+def test_prefetcher_output_equals_plain_normalisation(pin: bool) -> None:
     device = torch.device("cuda")
-    batches = _batches(3, size=8)
-    out = list(CUDAPrefetcher(iter(batches), device, Uint8Normalize()))
+    batches = _batches(3, size=8, pinned=not pin)
+    out = list(CUDAPrefetcher(iter(batches), device, Uint8Normalize(), pin=pin))
     assert len(out) == 3
     cpu_norm = Uint8Normalize()
     for (x, y), (gx, gy) in zip(batches, out):
@@ -47,9 +49,10 @@ def test_prefetcher_output_equals_plain_normalisation() -> None:
         assert torch.equal(gy.cpu(), y)
 
 
-def test_prefetcher_overlaps_copies_with_compute() -> None:
+@pytest.mark.parametrize("pin", [False, True])
+def test_prefetcher_overlaps_copies_with_compute(pin: bool) -> None:
     device = torch.device("cuda")
-    batches = _batches(12)
+    batches = _batches(12, pinned=not pin)  # with pin, the prefetcher's thread pins them
     weight = torch.randn(4096, 4096, device=device, dtype=torch.float16) / 64
     norm = Uint8Normalize()
 
@@ -61,7 +64,7 @@ def test_prefetcher_overlaps_copies_with_compute() -> None:
         return time.perf_counter() - start
 
     def copies_only() -> None:
-        for _ in CUDAPrefetcher(iter(batches), device, norm):
+        for _ in CUDAPrefetcher(iter(batches), device, norm, pin=pin):
             pass
 
     x0 = torch.zeros(512, 3, 224, 224, device=device)
@@ -71,7 +74,7 @@ def test_prefetcher_overlaps_copies_with_compute() -> None:
             _compute(x0, weight, reps)
 
     def both(reps: int) -> None:
-        for x, _ in CUDAPrefetcher(iter(batches), device, norm):
+        for x, _ in CUDAPrefetcher(iter(batches), device, norm, pin=pin):
             _compute(x, weight, reps)
 
     timed(copies_only)
@@ -85,6 +88,44 @@ def test_prefetcher_overlaps_copies_with_compute() -> None:
     print(f"copy {t_copy * 1e3:.1f} ms, compute {t_compute * 1e3:.1f} ms, both {t_both * 1e3:.1f} ms")
     # Serial would be t_copy + t_compute; at least a quarter of the shorter one must be hidden.
     assert t_both < t_copy + t_compute - 0.25 * min(t_copy, t_compute)
+
+
+class _FlatImages(torch.utils.data.Dataset):
+    """uint8 pictures of one size, made in the loader's workers."""
+
+    def __len__(self) -> int:
+        return 20 * 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((3, 224, 224), i % 256, dtype=torch.uint8), i % 10
+
+
+def _most_pinned_bytes(loader: torch.utils.data.DataLoader) -> int:
+    """The most page-locked bytes torch's host allocator held while ``loader`` ran ahead of slow steps."""
+    torch.cuda.synchronize()
+    torch._C._host_emptyCache()  # blocks earlier tests left cached
+    most, on_gpu = 0, []
+    for images, _ in loader:
+        time.sleep(0.05)  # a slow step: the workers run ahead
+        most = max(most, torch.cuda.host_memory_stats()["allocated_bytes.current"])
+        on_gpu.append(images.is_cuda)
+    assert on_gpu == [isinstance(loader, PrefetchLoader)] * 20
+    return most
+
+
+def test_the_prefetcher_pins_only_the_batches_it_copies() -> None:
+    block = 16 * 2**20  # a batch of 64 pictures, 9.6 MB, takes a 16 MiB block (powers of two)
+    common = {"batch_size": 64, "num_workers": 4, "prefetch_factor": 2, "pin_memory": True}
+    # DataLoader's pin thread pins each batch the workers hand over: up to the 8 they have ahead.
+    by_loader = _most_pinned_bytes(torch.utils.data.DataLoader(_FlatImages(), **common))
+    ahead = 2
+    by_prefetcher = _most_pinned_bytes(
+        PrefetchLoader(_FlatImages(), device=torch.device("cuda"), decode_ahead=ahead, **common)
+    )
+    mib = 2**20
+    print(f"pinned at most: {by_loader / mib:.0f} MiB by DataLoader, {by_prefetcher / mib:.0f} MiB by the prefetcher")
+    assert by_prefetcher <= (ahead + 2) * block + 2**20  # the queued batches, one being copied, one being pinned
+    assert by_loader >= 6 * block
 
 
 def test_channels_last_16_mixed_fit(learnable_root: Path, tmp_path: Path) -> None:

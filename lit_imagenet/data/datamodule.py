@@ -92,7 +92,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
         channels_last: Collate batches in channels_last memory format. ``None``: on when the run
             uses a CUDA device.
-        pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU.
+        pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU. On CUDA the
+            prefetcher pins each batch just before it copies it, so that only the batches on their way
+            are page-locked (``lit_imagenet.data.prefetch``).
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
         decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
@@ -106,9 +108,10 @@ class ImageFolderDataModule(pl.LightningDataModule):
         gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
             workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
             and the CPU cores have time to spare.
-        gpu_decode_ahead: With ``decoder: nvjpeg``, how many batches are queued for decoding on the
-            GPU while the current one trains. More even out slow batches; each holds a decoded batch
-            in GPU memory.
+        gpu_decode_ahead: On CUDA, how many batches the prefetcher's thread has on their way while the
+            current one trains: pinned and copied to the GPU, and with ``decoder: nvjpeg`` decoded there.
+            More even out slow batches; each holds a batch in GPU memory, and until it is copied, in
+            page-locked host memory.
         hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of the JPEGs sent to the GPU's
             hardware JPEG decoder, which takes no time from training; the rest are decoded on the
             GPU's cores (DALI's ``hw_decoder_load``).
