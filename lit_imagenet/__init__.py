@@ -26,14 +26,34 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callbacks
-from lit_imagenet.callbacks.console import LearningRateLog, Throughput
-from lit_imagenet.data.datamodule import ImageFolderDataModule
-from lit_imagenet.data.prefetch import CUDAPrefetch
-from lit_imagenet.errors import ConfigError, DataError, UserError
-from lit_imagenet.training.module import ImageClassifier
+if TYPE_CHECKING:
+    from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callbacks
+    from lit_imagenet.callbacks.console import LearningRateLog, Throughput
+    from lit_imagenet.data.datamodule import ImageFolderDataModule
+    from lit_imagenet.data.prefetch import CUDAPrefetch
+    from lit_imagenet.data.synthetic import make_shapes
+    from lit_imagenet.errors import ConfigError, DataError, UserError
+    from lit_imagenet.training.module import ImageClassifier
+
+# The package's names and the module of each, imported when a name is first asked for: ``import lit_imagenet``
+# itself loads neither torch nor Lightning, so that ``train.py`` can start the scan of the data folder
+# (``lit_imagenet.data.prescan``) before those imports.
+_PUBLIC = {
+    "CUDAPrefetch": "data.prefetch",
+    "ConfigError": "errors",
+    "DataError": "errors",
+    "ImageClassifier": "training.module",
+    "ImageFolderDataModule": "data.datamodule",
+    "LearningRateLog": "callbacks.console",
+    "PredictionWriter": "callbacks",
+    "RunLogger": "callbacks",
+    "Throughput": "callbacks.console",
+    "UserError": "errors",
+    "default_callbacks": "callbacks",
+    "make_shapes": "data.synthetic",
+}
 
 __all__ = [
     "CUDAPrefetch",
@@ -135,10 +155,10 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def __getattr__(name: str) -> Any:
-    if name == "make_shapes":
-        from lit_imagenet.data.synthetic import make_shapes
-
-        return make_shapes
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        globals()[name] = value  # found directly from now on
+        return value
     if name in _MOVED_NAMES:
         return getattr(importlib.import_module(f"{__name__}.{_MOVED_NAMES[name]}"), name)
     if name in _MOVED_MODULES:

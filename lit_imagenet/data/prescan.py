@@ -1,0 +1,151 @@
+"""The scan of the data folder, started at launch in a process of its own while ``train.py`` imports.
+
+A run's imports (torch, Lightning and what they load) take seconds before its first line, and a first run's
+scan of ImageNet's 1.33 million files takes seconds more after them. ``start`` reads ``--data.root``,
+``--data.index`` and ``--data.index_dir`` from the command line and its ``--config`` files, without the
+command line's parser, and starts ``python -m lit_imagenet.data.prescan ROOT INDEX_DIR``: it scans the
+splits into their index files (``lit_imagenet.data.index.cached_scan``) as the data module would. When the
+data module comes to its scan it takes the index's lock, so it waits for the scan under way and reads
+what it wrote; a later run finds the index and the scanning process reads it and ends.
+
+The early scan only saves time; it decides nothing. Whatever it finds wrong (a missing folder, an empty
+class folder, a file that is not an image) it leaves no index for, and the data module's own scan stops the
+run with that error. Where the command line sets the data options in a form this reading does not follow
+(``--data`` given a file or a JSON object, say), or names another root than the parser finds, the data
+module scans as it would without it. Only the first process of a node starts it (``LOCAL_RANK`` and
+``SLURM_LOCALID`` unset or 0): the others are started after the imports of the first, by Lightning or the
+cluster's launcher, and read the index.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+#: The subcommands whose data module scans ``--data.root``.
+SCANNING = ("fit", "validate", "test", "predict")
+#: Flags after which the command does not run.
+NOT_RUNNING = ("-h", "--help", "--print_config")
+
+
+def _options(argv: list[str]) -> dict[str, Any] | None:
+    """The ``data`` options that ``argv`` sets (``root``, ``index``, ``index_dir``), its ``--config`` files read
+    in turn and the flags after them overriding; ``None`` where it is not a scanning subcommand."""
+    command = next((word for word in argv if not word.startswith("-")), None)
+    if command not in SCANNING or any(word.partition("=")[0] in NOT_RUNNING for word in argv):
+        return None
+    options: dict[str, Any] = {}
+    words = argv[argv.index(command) + 1 :]
+    k = 0
+    while k < len(words):
+        word = words[k]
+        key, eq, value = word.partition("=")
+        if not eq and k + 1 < len(words):
+            value = words[k + 1]
+        step = 1 if eq else 2
+        if key == "--config":
+            options.update(_from_config(Path(value)))
+        elif key in ("--data.root", "--data.index", "--data.index_dir"):
+            options[key.removeprefix("--data.")] = value
+        else:
+            step = 1
+        k += step
+    return options
+
+
+def _from_config(path: Path) -> dict[str, Any]:
+    """The ``data`` options of a YAML config file (none where it cannot be read: the parser then says why)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    data = config.get("data") if isinstance(config, dict) else None
+    if not isinstance(data, dict):
+        return {}
+    data = data.get("init_args", data) if isinstance(data.get("init_args"), dict) else data
+    return {key: data[key] for key in ("root", "index", "index_dir") if key in data}
+
+
+def _index_on(value: Any) -> bool:
+    return str(value).strip().lower() not in ("false", "0", "no", "off")
+
+
+def target(argv: list[str]) -> tuple[Path, Path] | None:
+    """The data folder and index folder that the run of ``argv`` would scan into, or ``None`` where it would not
+    (another subcommand, no index, no root given, no ``train`` folder under it)."""
+    options = _options(argv)
+    if not options or "root" not in options or not _index_on(options.get("index", True)):
+        return None
+    root = Path(str(options["root"]))
+    if not (root / "train").is_dir():
+        return None
+    index_dir = options.get("index_dir")
+    if index_dir in (None, "null", "None", ""):
+        from lit_imagenet.data.index import default_index_dir
+
+        return root, default_index_dir()
+    return root, Path(str(index_dir))
+
+
+def start(argv: list[str]) -> subprocess.Popen[bytes] | None:
+    """Starts scanning the data folder of the run of ``argv`` into its index, in a process of its own; ``None``
+    where there is nothing to scan or this is not the first process of its node. The process writes to this one's
+    standard error: the warning that an index was damaged and written anew comes from it."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("SLURM_LOCALID", "0") != "0":
+        return None
+    found = target(argv)
+    if found is None:
+        return None
+    root, index_dir = found
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "lit_imagenet.data.prescan", str(root), str(index_dir)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+        )
+    except OSError:
+        return None
+
+
+def stop(scan: subprocess.Popen[bytes] | None) -> None:
+    """Ends the scan that ``start`` started if it still runs (the run ended before its data module read the
+    index), and collects its exit."""
+    if scan is None:
+        return
+    if scan.poll() is None:
+        scan.terminate()  # an index file being written is removed (_scan)
+        try:
+            scan.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            scan.kill()
+    scan.wait()
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _scan(root: Path, index_dir: Path) -> int:
+    """Scans ``root``'s splits into ``index_dir``: 0 when the indexes were read or written, 1 where the folder
+    is wrong (the data module's own scan names what), 130 on Ctrl-C; on SIGTERM it exits, removing a temporary
+    index file it was writing."""
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        from lit_imagenet.data.folders import scan_root
+
+        scan_root(root, index_dir)
+    except KeyboardInterrupt:
+        return 130
+    except Exception:  # noqa: BLE001  (the data module's own scan stops the run with it)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_scan(Path(sys.argv[1]), Path(sys.argv[2])))
