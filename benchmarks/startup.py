@@ -21,9 +21,9 @@ For each run it reports the seconds from launch to the first logged step (the li
 both log every 10 steps), images/s between the lines of step ``--steady-from`` (100) and step
 ``--steps`` (400; the restarts stop at step 10), and the peak PSS of the run's process tree (every process and loader
 worker, read from ``/proc/PID/smaps_rollup`` every half second), with its second and its parts at that moment (the
-main process, the loader workers, a background compile's child and that child's compile workers) and, for a
-compiled network, the
-seconds its first step took, compiling or reading the compiler caches (the line ``train.py`` prints).
+main process, the loader workers, a background compile's child and that child's compile workers, the early scan)
+and, for a compiled network, the seconds its first step took, compiling or reading the compiler caches (the line
+``train.py`` prints).
 The table is printed and written to ``OUT/startup.json``, after rows that time the interpreter's
 imports alone (``torch`` and ``torchvision``, what the reference imports; pytorch-lightning,
 torchmetrics and jsonargparse, each alone; ``lit_imagenet.cli``, what ``train.py`` imports, also
@@ -193,14 +193,17 @@ def _pss_kib(pid: int) -> int:
 
 #: The part of a run a process of its tree plays, from its command line (``/proc/PID/cmdline``).
 COMPILE_CHILD = "background_compile.py"
+#: The module of the scan that train.py starts at launch (python -m lit_imagenet.data.prescan).
+EARLY_SCAN = "lit_imagenet.data.prescan"
 
 
 def tree_pss_by_part(pid: int) -> dict[str, float]:
     """The PSS of ``pid``'s process tree in GiB, by part: ``main`` (``pid``), ``loader workers`` (the processes below
     it, DataLoader workers and the reference's), ``compile child`` (a background compile's process, which runs
-    ``background_compile.py``) and ``compile workers`` (the processes below that child: inductor's compile pool)."""
+    ``background_compile.py``), ``compile workers`` (the processes below that child: inductor's compile pool) and
+    ``early scan`` (the scan that ``train.py`` starts at launch, ``lit_imagenet.data.prescan``, with its pool)."""
     children = _children(pid)
-    parts = {"main": _pss_kib(pid), "loader workers": 0, "compile child": 0, "compile workers": 0}
+    parts = {"main": _pss_kib(pid), "loader workers": 0, "compile child": 0, "compile workers": 0, "early scan": 0}
     for child in children.get(pid, []):
         try:
             command = Path(f"/proc/{child}/cmdline").read_bytes()
@@ -210,6 +213,8 @@ def tree_pss_by_part(pid: int) -> dict[str, float]:
         if any(arg.endswith(COMPILE_CHILD.encode()) for arg in command.split(b"\0")):
             parts["compile child"] += _pss_kib(child)
             parts["compile workers"] += sum(_pss_kib(p) for p in below[1:])
+        elif EARLY_SCAN.encode() in command.split(b"\0"):
+            parts["early scan"] += sum(_pss_kib(p) for p in below)
         else:
             parts["loader workers"] += sum(_pss_kib(p) for p in below)
     return {part: kib / 2**20 for part, kib in parts.items()}

@@ -340,6 +340,7 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     for row in rows:  # the peak's parts add up to it; a CPU run trains eagerly: no compile child
         parts = row["peak_pss_parts_gib"]
         assert parts["main"] > 0 and parts["compile child"] == 0 and parts["compile workers"] == 0
+        assert set(parts) == {"main", "loader workers", "compile child", "compile workers", "early scan"}
         assert abs(sum(parts.values()) - row["peak_pss_gib"]) <= 0.03 and row["peak_pss_second"] > 0
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
     assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
@@ -377,8 +378,9 @@ def test_the_probe_splits_a_process_pss_by_what_is_mapped() -> None:
 
 
 def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compile_child(tmp_path: Path) -> None:
-    """A process tree of the run's shape: the main process, a forked worker holding 200 MB, and a child running a
-    ``background_compile.py`` with a worker of its own holding 300 MB. Each part is counted where it belongs."""
+    """A process tree of the run's shape: the main process, a forked worker holding 200 MB, a child running a
+    ``background_compile.py`` with a worker of its own holding 300 MB, and an early scan holding 100 MB. Each part
+    is counted where it belongs."""
     startup = _startup_module()
     ready = tmp_path / "ready"
     ready.mkdir()
@@ -396,6 +398,7 @@ def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compil
     main = (
         "import os, subprocess, sys, time\n"
         f"subprocess.Popen([sys.executable, {str(child)!r}])\n"
+        f"subprocess.Popen([sys.executable, '-c', {hold + 'time.sleep(60)'!r}, '100', 'lit_imagenet.data.prescan'])\n"
         "if os.fork() == 0:\n"
         f"    block = bytearray(200 * 2**20); block[::4096] = b'x' * len(block[::4096]); {touch}time.sleep(60)\n"
         "time.sleep(60)\n"
@@ -403,11 +406,12 @@ def test_the_peak_pss_is_split_into_the_main_process_loader_workers_and_a_compil
     proc = subprocess.Popen([sys.executable, "-c", main], start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while len(list(ready.iterdir())) < 2 and time.monotonic() < deadline:  # both holders have touched their pages
+        while len(list(ready.iterdir())) < 3 and time.monotonic() < deadline:  # the holders have touched their pages
             time.sleep(0.1)
         parts = startup.tree_pss_by_part(proc.pid)
         assert 0.28 < parts["compile workers"] < 0.4, parts  # the child's worker's 300 MB
         assert 0.18 < parts["loader workers"] < 0.3, parts  # the forked worker's 200 MB
+        assert 0.09 < parts["early scan"] < 0.15, parts  # the early scan's 100 MB
         assert 0 < parts["compile child"] < 0.1 and 0 < parts["main"] < 0.1, parts
         assert abs(sum(parts.values()) - startup.tree_pss_gib(proc.pid)) < 0.02
     finally:
