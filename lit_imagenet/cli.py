@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -44,6 +43,7 @@ from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.compat import untested_version_warning
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
+from lit_imagenet.data.prescan import yaml_mapping
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
 from lit_imagenet.training.precision import AMPFlags, resolve_amp
@@ -312,16 +312,6 @@ _LINKED = {
 }
 
 
-def _yaml_mapping(value: str) -> dict[str, Any] | None:
-    """A config argument's mapping: the file's, or the YAML text's itself; ``None`` if neither is one."""
-    try:
-        text = Path(value).read_text() if Path(value).is_file() else value
-        loaded = yaml.safe_load(text)
-    except (OSError, ValueError, yaml.YAMLError):
-        return None
-    return loaded if isinstance(loaded, dict) else None
-
-
 def uncompiled_imports_warning(package: str = "torch") -> str | None:
     """The warning line for a start that compiles ``package``'s Python source again, or ``None``.
 
@@ -383,9 +373,9 @@ def linked_model_argument(args: list[str]) -> str | None:
             name = key[len("--model.") :]
             return f"--model.{name} is set from {_LINKED[name]}."
         if key in ("--config", "-c"):
-            where = (_yaml_mapping(value) or {}).get("model")
+            where = (yaml_mapping(value) or {}).get("model")
         elif key == "--model":
-            where = _yaml_mapping(value)
+            where = yaml_mapping(value)
         if isinstance(where, dict):
             for name in _LINKED:
                 if name in where:

@@ -207,3 +207,18 @@ def test_train_py_starts_the_scan_before_its_imports(tmp_path: Path) -> None:
     lines = (REPO / "train.py").read_text().splitlines()
     first_import = next(line for line in lines if line.startswith(("import ", "from ")) and "sys" not in line)
     assert first_import == "from lit_imagenet.data.prescan import start, stop"
+
+
+def test_the_data_options_also_come_from_short_configs_yaml_text_and_a_data_mapping(tmp_path: Path) -> None:
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "other" / "train").mkdir(parents=True)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  class_path: x.Data\n  init_args:\n    root: {tmp_path / 'data'}\n")
+    index = ["--data.index_dir", str(tmp_path / "idx")]
+    assert prescan.target(["fit", "-c", str(config), *index]) == (tmp_path / "data", tmp_path / "idx")
+    text = f"{{data: {{root: {tmp_path / 'other'}}}}}"
+    assert prescan.target(["fit", "-c", str(config), "--config", text, *index])[0] == tmp_path / "other"
+    assert prescan.target(["fit", f"--data={{root: {tmp_path / 'data'}, index: false}}"]) is None
+    data = tmp_path / "data.yaml"  # what --data takes: the data module's own mapping
+    data.write_text(f"init_args:\n  root: {tmp_path / 'other'}\n")
+    assert prescan.target(["fit", "-c", str(config), "--data", str(data), *index])[0] == tmp_path / "other"

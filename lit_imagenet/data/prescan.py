@@ -8,11 +8,12 @@ splits into their index files (``lit_imagenet.data.index.cached_scan``) as the d
 data module comes to its scan it takes the index's lock, so it waits for the scan under way and reads
 what it wrote; a later run finds the index and the scanning process reads it and ends.
 
-The early scan only saves time; it decides nothing. Whatever it finds wrong (a missing folder, an empty
+It follows ``--config`` (or ``-c``) files and YAML text, and ``--data`` given a file or a mapping, in their
+order. The early scan only saves time; it decides nothing. Whatever it finds wrong (a missing folder, an empty
 class folder, a file that is not an image) it leaves no index for, and the data module's own scan stops the
 run with that error. Where the command line sets the data options in a form this reading does not follow
-(``--data`` given a file or a JSON object, say), or names another root than the parser finds, the data
-module scans as it would without it. Only the first process of a node starts it (``LOCAL_RANK`` and
+(``--data.init_args.root``, say), or names another root than the parser finds, the data module scans as it
+would without it. Only the first process of a node starts it (``LOCAL_RANK`` and
 ``SLURM_LOCALID`` unset or 0): the others are started after the imports of the first, by Lightning or the
 cluster's launcher, and read the index.
 """
@@ -47,8 +48,10 @@ def _options(argv: list[str]) -> dict[str, Any] | None:
         if not eq and k + 1 < len(words):
             value = words[k + 1]
         step = 1 if eq else 2
-        if key == "--config":
-            options.update(_from_config(Path(value)))
+        if key in ("--config", "-c"):
+            options.update(_data_options((yaml_mapping(value) or {}).get("data")))
+        elif key == "--data":
+            options.update(_data_options(yaml_mapping(value)))
         elif key in ("--data.root", "--data.index", "--data.index_dir"):
             options[key.removeprefix("--data.")] = value
         else:
@@ -57,18 +60,24 @@ def _options(argv: list[str]) -> dict[str, Any] | None:
     return options
 
 
-def _from_config(path: Path) -> dict[str, Any]:
-    """The ``data`` options of a YAML config file (none where it cannot be read: the parser then says why)."""
+def yaml_mapping(value: str) -> dict[str, Any] | None:
+    """A config argument's mapping: the file's, or the YAML text's itself; ``None`` if neither is one (the
+    command line's parser then says why)."""
     import yaml
 
     try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    data = config.get("data") if isinstance(config, dict) else None
+        text = Path(value).read_text() if Path(value).is_file() else value
+        loaded = yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _data_options(data: Any) -> dict[str, Any]:
+    """``root``, ``index`` and ``index_dir`` of a ``data`` mapping, given plainly or under ``init_args``."""
     if not isinstance(data, dict):
         return {}
-    data = data.get("init_args", data) if isinstance(data.get("init_args"), dict) else data
+    data = data["init_args"] if isinstance(data.get("init_args"), dict) else data
     return {key: data[key] for key in ("root", "index", "index_dir") if key in data}
 
 
