@@ -222,3 +222,32 @@ def test_the_data_options_also_come_from_short_configs_yaml_text_and_a_data_mapp
     data = tmp_path / "data.yaml"  # what --data takes: the data module's own mapping
     data.write_text(f"init_args:\n  root: {tmp_path / 'other'}\n")
     assert prescan.target(["fit", "-c", str(config), "--data", str(data), *index])[0] == tmp_path / "other"
+
+
+def test_a_config_given_before_the_subcommand_gives_its_section_of_that_subcommand(tmp_path: Path) -> None:
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "other" / "train").mkdir(parents=True)
+    every = tmp_path / "every.yaml"  # what the parser takes before the subcommand: a section per subcommand
+    every.write_text(
+        f"fit:\n  data:\n    root: {tmp_path / 'data'}\n    index_dir: {tmp_path / 'idx'}\n"
+        f"validate:\n  data:\n    root: {tmp_path / 'other'}\n    index: false\n"
+    )
+    assert prescan.target(["--config", str(every), "fit"]) == (tmp_path / "data", tmp_path / "idx")
+    assert prescan.target([f"-c{every}", "fit"]) == (tmp_path / "data", tmp_path / "idx")
+    assert prescan.target(["-c", str(every), "validate"]) is None  # its section turns the index off
+    # the subcommand's own configs and flags come after, and override it
+    own = tmp_path / "own.yaml"
+    own.write_text(f"data:\n  root: {tmp_path / 'other'}\n")
+    assert prescan.target([f"--config={every}", "fit", "-c", str(own)]) == (tmp_path / "other", tmp_path / "idx")
+    assert prescan.target(["-c", str(every), "validate", "--data.index", "true", "--data.index_dir", "/i"]) == (
+        tmp_path / "other",
+        Path("/i"),
+    )
+    # a section of another subcommand, or data at the top, is not this one's (the parser ignores it too)
+    (tmp_path / "top.yaml").write_text(f"data:\n  root: {tmp_path / 'data'}\n")
+    assert prescan.target(["-c", str(tmp_path / "top.yaml"), "fit"]) is None
+    assert prescan.target(["-c", str(every), "test"]) is None
+    # nothing but configs may come before the subcommand
+    assert prescan.target(["--seed", "1", "fit", "--data.root", str(tmp_path / "data")]) is None
+    assert prescan.target(["--config", str(every), "--print_config", "fit"]) is None
+    assert prescan.target(["--config"]) is None

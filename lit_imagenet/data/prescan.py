@@ -9,8 +9,9 @@ data module comes to its scan it takes the index's lock, so it waits for the sca
 what it wrote; a later run finds the index and the scanning process reads it and ends.
 
 It follows ``--config`` (or ``-c``) files and YAML text, and ``--data`` given a file or a mapping, in their
-order. The early scan only saves time; it decides nothing. Whatever it finds wrong (a missing folder, an empty
-class folder, a file that is not an image) it leaves no index for, and the data module's own scan stops the
+order; a config given before the subcommand (``train.py --config all.yaml fit``) gives its section of that
+subcommand. The early scan only saves time; it decides nothing. Whatever it finds wrong (a missing folder, an
+empty class folder, a file that is not an image) it leaves no index for, and the data module's own scan stops the
 run with that error. Where the command line sets the data options in a form this reading does not follow
 (``--data.init_args.root``, say), or names another root than the parser finds, the data module scans as it
 would without it. Only the first process of a node starts it (``LOCAL_RANK`` and
@@ -33,22 +34,46 @@ SCANNING = ("fit", "validate", "test", "predict")
 NOT_RUNNING = ("-h", "--help", "--print_config")
 
 
+def _option(words: list[str], k: int) -> tuple[str, str | None, int]:
+    """The option at ``words[k]``: its name, its value (given after ``=``, joined to ``-c``, or the next word;
+    ``None`` at the end) and how many words it takes, as the command line's parser reads it."""
+    word = words[k]
+    if word.startswith("-c") and len(word) > 2 and not word.startswith("--"):
+        return "-c", word[2:].removeprefix("="), 1  # -cFILE, -c=FILE
+    key, eq, value = word.partition("=")
+    if eq:
+        return key, value, 1
+    return key, words[k + 1] if k + 1 < len(words) else None, 2
+
+
 def _options(argv: list[str]) -> dict[str, Any] | None:
-    """The ``data`` options that ``argv`` sets (``root``, ``index``, ``index_dir``), its ``--config`` files read
-    in turn and the flags after them overriding; ``None`` where it is not a scanning subcommand."""
-    command = next((word for word in argv if not word.startswith("-")), None)
-    if command not in SCANNING or any(word.partition("=")[0] in NOT_RUNNING for word in argv):
+    """The ``data`` options that ``argv`` sets (``root``, ``index``, ``index_dir``): the subcommand's section of the
+    ``--config`` files given before it, then its own ``--config`` files and flags, each overriding what came before;
+    ``None`` where it is not a scanning subcommand."""
+    if any(word.partition("=")[0] in NOT_RUNNING for word in argv):
         return None
     options: dict[str, Any] = {}
-    words = argv[argv.index(command) + 1 :]
+    before: list[str] = []  # the configs given before the subcommand: {fit: {data: ...}, validate: ...}
+    k = 0
+    while k < len(argv) and argv[k] not in SCANNING:
+        key, value, step = _option(argv, k)
+        if key not in ("--config", "-c") or value is None:
+            return None  # another subcommand, or an option the parser will refuse
+        before.append(value)
+        k += step
+    if k == len(argv):
+        return None
+    command = argv[k]
+    for value in before:
+        section = (yaml_mapping(value) or {}).get(command)
+        options.update(_data_options(section.get("data") if isinstance(section, dict) else None))
+    words = argv[k + 1 :]
     k = 0
     while k < len(words):
-        word = words[k]
-        key, eq, value = word.partition("=")
-        if not eq and k + 1 < len(words):
-            value = words[k + 1]
-        step = 1 if eq else 2
-        if key in ("--config", "-c"):
+        key, value, step = _option(words, k)
+        if value is None:
+            step = 1
+        elif key in ("--config", "-c"):
             options.update(_data_options((yaml_mapping(value) or {}).get("data")))
         elif key == "--data":
             options.update(_data_options(yaml_mapping(value)))
