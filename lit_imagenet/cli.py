@@ -7,7 +7,9 @@ import importlib.util
 import inspect
 import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -85,6 +87,34 @@ def _names_class(class_path: Any, cls: type) -> bool:
         return False
 
 
+#: Seconds that rank 0, after an error of its own, gives the ranks it launched to end by themselves.
+LAUNCHED_RANKS_GRACE = 10.0
+
+
+def end_launched_ranks(trainer: Trainer, grace: float = LAUNCHED_RANKS_GRACE) -> int:
+    """Ends the processes that Lightning's launcher started for the other ranks of this node, where they outlive
+    ``grace`` seconds after rank 0's error; returns how many it ended.
+
+    Lightning ends them itself on Ctrl-C only. After any other error of rank 0 they would wait for it, in their
+    next collective or, where rank 0 failed before they had met, in the rendezvous, until the process group's
+    timeout (30 min by default). Ranks that stop by themselves (on SIGTERM, on a run of non-finite losses) end
+    within the grace.
+    """
+    procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    left = [proc for proc in procs if proc.poll() is None]
+    for proc in left:
+        proc.kill()
+    for proc in left:
+        proc.wait()
+    return len(left)
+
+
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
@@ -154,6 +184,18 @@ class ImageNetCLI(LightningCLI):
         prefetch = self._section(self.config_init).get("prefetch")
         if isinstance(prefetch, CUDAPrefetch) and isinstance(self.model, ImageClassifier):
             self.model.prefetch = prefetch
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            ended = end_launched_ranks(self.trainer)
+            if ended:
+                ranks = f"{ended} launched rank{'s' if ended > 1 else ''}"
+                line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
+                print(line, file=sys.stderr, flush=True)
+            raise
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:

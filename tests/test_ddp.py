@@ -113,3 +113,29 @@ def test_two_processes_predict_into_the_log_folder(shapes_root: Path, tmp_path: 
     (written,) = (tmp_path / "predict").rglob("predictions.csv")
     rows = list(csv.DictReader(open(written)))
     assert sorted(Path(r["path"]) for r in rows) == sorted((shapes_root / "val").rglob("*.jpg"))
+
+
+@pytest.mark.timeout(300)
+def test_an_error_of_rank_0_before_the_ranks_meet_ends_the_rank_it_launched(shapes_root: Path, tmp_path: Path) -> None:
+    """Lightning ends the ranks it launched on Ctrl-C only: after another error of rank 0, rank 1 would wait in the
+    rendezvous for 30 minutes, holding the run's standard output."""
+    import socket
+    import time
+
+    from lit_imagenet.cli import LAUNCHED_RANKS_GRACE
+    from tests.runs import run_env
+
+    with socket.socket() as taken:  # rank 0 cannot serve the rendezvous there; rank 1 connects and waits
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                        "--trainer.max_epochs", "1")  # fmt: skip
+        env = run_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        started = time.monotonic()
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
+                              timeout=240, cwd=tmp_path, env=env)  # fmt: skip
+        seconds = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "Ended 1 launched rank still running" in proc.stderr, proc.stderr[-3000:]
+    assert seconds < LAUNCHED_RANKS_GRACE + 60, seconds
