@@ -8,6 +8,7 @@ after it: two processes, DDP over gloo on CPU, deterministic, a step checkpoint 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -184,3 +186,30 @@ def wait_for_file(proc: subprocess.Popen, path: Path, timeout: float) -> None:
         assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else f"the run ended: {proc.returncode}"
         assert time.monotonic() < deadline, f"no {path.name} after {timeout:g} s"
         time.sleep(0.05)
+
+
+def run_train(args: list[str], timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``python train.py *args`` to its end, through ``run_session``."""
+    return run_session([sys.executable, str(REPO / "train.py"), *args], timeout, **kwargs)
+
+
+def run_session(command: list[str], timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """``command`` to its end, its output captured as text, like ``subprocess.run``; ``kwargs`` go to ``Popen``
+    (``cwd``, ``env``).
+
+    The command has a session of its own, and every process in it is killed on a timeout or an interruption of the
+    test. ``subprocess.run``'s own timeout kills the first process only: a rank that it launched would outlive the
+    test, waiting for its peers until the process group's timeout (30 minutes by default).
+    """
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **kwargs) as proc:  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException as error:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)

@@ -15,7 +15,7 @@ from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWri
 from lit_imagenet.cli import main
 from tests.cli_args import error_lines
 from tests.cli_args import fit_args as _fit_args
-from tests.runs import wait_for_file
+from tests.runs import run_train, wait_for_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -149,8 +149,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
 
     args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_steps", str(saved + 2),
                      "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last")  # fmt: skip
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = run_train(args, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout
     assert _step(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt") == saved + 2

@@ -10,6 +10,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from lit_imagenet.training.strategies import DefaultStreamDDPStrategy
 from tests.cli_args import fit_args
+from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,8 +46,7 @@ def test_two_processes_train_with_it(shapes_root: Path, tmp_path: Path) -> None:
     args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp_default_stream",
                     "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0",
                     "--config", str(record))  # fmt: skip
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)  # fmt: skip
+    proc = run_train(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Starting with 2 processes" in proc.stderr + proc.stdout
     ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=True)
@@ -86,11 +86,9 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(shape
     assert err.count("Stopped by SIGTERM; resume with --ckpt_path last.") == 2  # both ranks, not one
     (saved,) = tmp_path.rglob("last-step.ckpt")
     step = torch.load(saved, map_location="cpu", weights_only=False)["global_step"]
-    resumed = subprocess.run([sys.executable, str(REPO / "train.py"),
-                              *fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                                        "--trainer.max_steps", str(step + 2), "--trainer.max_epochs", "-1",
-                                        "--trainer.limit_val_batches", "0", "--ckpt_path", "last")],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    resumed = run_train(fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
+                                 "--trainer.max_steps", str(step + 2), "--trainer.max_epochs", "-1",
+                                 "--trainer.limit_val_batches", "0", "--ckpt_path", "last"), cwd=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {saved}" in resumed.stdout
 
@@ -100,15 +98,12 @@ def test_two_processes_predict_into_the_log_folder(shapes_root: Path, tmp_path: 
     """The default CSV path is the trainer's log folder, which rank 0 broadcasts: every rank must ask for it."""
     import csv
 
-    fit = subprocess.run([sys.executable, str(REPO / "train.py"), *fit_args(shapes_root, tmp_path / "fit",
-                          "--trainer.max_epochs", "1")], capture_output=True, text=True, timeout=300)  # fmt: skip
+    fit = run_train(fit_args(shapes_root, tmp_path / "fit", "--trainer.max_epochs", "1"))
     assert fit.returncode == 0, fit.stderr[-3000:]
     ckpt = next((tmp_path / "fit").rglob("last.ckpt"))
     args = fit_args(shapes_root, tmp_path / "predict", "--trainer.devices", "2", "--trainer.strategy", "ddp",
                     "--ckpt_path", str(ckpt), "--data.predict_root", str(shapes_root / "val"))[1:]  # fmt: skip
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), "predict",
-                           *[a for a in args if a not in ("--data.root", str(shapes_root))]],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = run_train(["predict", *[a for a in args if a not in ("--data.root", str(shapes_root))]])
     assert done.returncode == 0, done.stderr[-3000:]
     (written,) = (tmp_path / "predict").rglob("predictions.csv")
     rows = list(csv.DictReader(open(written)))
@@ -133,8 +128,7 @@ def test_an_error_of_rank_0_before_the_ranks_meet_ends_the_rank_it_launched(shap
                         "--trainer.max_epochs", "1")  # fmt: skip
         env = run_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         started = time.monotonic()
-        proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                              timeout=240, cwd=tmp_path, env=env)  # fmt: skip
+        proc = run_train(args, timeout=240, cwd=tmp_path, env=env)
         seconds = time.monotonic() - started
     assert proc.returncode != 0
     assert "Ended 1 launched rank still running" in proc.stderr, proc.stderr[-3000:]

@@ -2,8 +2,6 @@
 
 import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.index import SampleTable, cached_scan, index_path, read_index
 from lit_imagenet.errors import DataError
 from tests.cli_args import fit_args
+from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -231,8 +230,7 @@ def test_two_processes_read_each_file_at_most_once_before_training_and_only_thei
                     "--data.decoder", decoder, "--data.crop_size", "8", "--data.val_resize", "8",
                     "--trainer.limit_val_batches", "1", "--data.index_dir", str(tmp_path / "index"),
                     "--seed_everything", "5", "--config", str(record), batch_size=4, workers=1)  # fmt: skip
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = run_train(args, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split(" ", 3) for f in reads.glob("reads-*.txt") for line in f.read_text().splitlines()]
     rank_of = {pid: int(what.split()[1]) for _, pid, _, what in lines if what.startswith("TRAIN")}

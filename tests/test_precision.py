@@ -20,6 +20,7 @@ from lit_imagenet.training.precision import (
     resolve_amp,
 )
 from tests.cli_args import fit_args
+from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_APEX = Path(__file__).resolve().parent / "fake_apex"
@@ -140,8 +141,7 @@ _fit_args = functools.partial(fit_args, batch_size=6)  # 24 images on 2 ranks: 2
 
 
 def _run(args: list[str], tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path, env={**os.environ, **env})  # fmt: skip
+    return run_train(args, cwd=tmp_path, env={**os.environ, **env})
 
 
 def test_apex_under_ddp_initialises_before_wrapping_and_resumes_scaler_state(shapes_root: Path, tmp_path: Path) -> None:

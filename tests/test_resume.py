@@ -15,7 +15,7 @@ from lit_imagenet.cli import main
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.samplers import EpochSeededSampler
 from tests.cli_args import fit_args
-from tests.runs import differing, final_checkpoint, global_step
+from tests.runs import differing, final_checkpoint, global_step, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -148,8 +148,7 @@ def _elastic_run(root: Path, out: Path, processes: int, *extra: str) -> subproce
                     "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "1",
                     "--curves.enabled", "false", "--config", str(record), *extra, batch_size=3)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args], capture_output=True, text=True,
-                          timeout=300, cwd=out, env=env)  # fmt: skip
+    proc = run_train(args, cwd=out, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
 
