@@ -14,6 +14,7 @@ import torch
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetcher, PrefetchLoader
 from lit_imagenet.data.presets import Uint8Normalize
+from tests.runs import run_train
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -437,8 +438,7 @@ def _pythonpath() -> str:
 
 def _train(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": _pythonpath(), **(env or {})}
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=420)  # fmt: skip
+    done = run_train(args, timeout=420, cwd=cwd, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lit_imagenet.data.synthetic import make_shapes
-from tests.runs import rank_pid
+from tests.runs import rank_pid, run_session
 
 # LIT_IMAGENET_DDP_ON_CPU=1 runs the same tests with two CPU processes (gloo, 32-true), to debug them off a GPU.
 ON_CPU = os.environ.get("LIT_IMAGENET_DDP_ON_CPU") == "1"
@@ -60,7 +60,7 @@ def _args(root: Path, out: Path, *extra: str, devices: int = 2, subcommand: str 
 
 
 def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = run_session(args, timeout, cwd=REPO)
     print(done.stdout[-3000:], done.stderr[-3000:], sep="\n")
     return done
 
