@@ -1,5 +1,6 @@
 """The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
 
+import errno
 import gc
 import os
 import shutil
@@ -192,18 +193,22 @@ def test_same_seed_same_batches_other_seed_or_epoch_other_crops(shapes_root: Pat
         assert not any(torch.equal(a[0], b[0]) for a, b in zip(first, other))
 
 
-def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_root: Path, monkeypatch) -> None:
-    """The reader of a scanned split takes a written list of ``path label`` lines, gone once the pipeline is
-    built, and gives the batches that lists of paths and labels give."""
+def test_a_pipeline_reads_its_files_from_a_list_file_in_memory_closed_once_built(
+    shapes_root: Path, monkeypatch
+) -> None:
+    """The reader of a scanned split takes a list of ``path label`` lines made in memory, gone once the pipeline is
+    built (a process killed meanwhile leaves no file), and gives the batches that lists of paths and labels give."""
     from lit_imagenet.data.dali import pipeline as pipelines
     from lit_imagenet.data.index import SampleTable
 
     lists: list[tuple[str, bytes]] = []
+    opened: list[tuple[str, str]] = []  # each list file's path, and what it opened while the pipeline was built
     build = pipelines.build_pipeline
 
     def kept(*args, **kwargs):
         if kwargs.get("file_list") is not None:
             lists.append((kwargs["file_root"], Path(kwargs["file_list"]).read_bytes()))
+            opened.append((kwargs["file_list"], os.readlink(kwargs["file_list"])))
         return build(*args, **kwargs)
 
     monkeypatch.setattr("lit_imagenet.data.dali.loader.build_pipeline", kept)
@@ -215,14 +220,18 @@ def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_r
         train.sampler.set_epoch(1)
         return list(train), list(val)
 
+    temporary = set(Path(tempfile.gettempdir()).iterdir())
     listed = passes()
+    assert set(Path(tempfile.gettempdir()).iterdir()) <= temporary  # nothing written there
+    assert [target.startswith("/memfd:lit_imagenet_dali_list") for _, target in opened] == [True, True]
+    for path, target in opened:  # closed: its path opens nothing, or another file that took its number since
+        assert not os.path.exists(path) or os.readlink(path) != target
     assert [root for root, _ in lists] == [str(shapes_root / "train"), str(shapes_root / "val")]
     lines = lists[0][1].decode().splitlines()  # the epochs the training pipeline reads, one after the other
     files = sorted(p.relative_to(shapes_root / "train").as_posix() for p in (shapes_root / "train").rglob("*.jpg"))
     classes = sorted(p.name for p in (shapes_root / "train").iterdir())
     assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
     assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
-    assert not list(Path(tempfile.gettempdir()).glob("lit_imagenet_dali_*.txt"))
     with monkeypatch.context() as patched:
         patched.setattr(SampleTable, "listable", lambda self: False)
         for got, expected in zip(passes(), listed):
@@ -230,22 +239,21 @@ def test_a_pipeline_reads_its_files_from_a_list_file_removed_once_built(shapes_r
             assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
     assert len(lists) == 2  # lists of paths this time
 
-    # A temporary folder that takes no file: the same batches from lists of paths, and one warning line.
+    # A system that makes no file in memory: the same batches from lists of paths, and one warning line.
     from lit_imagenet.data.dali import loader
 
     def refused(*args, **kwargs):
-        raise PermissionError(13, "Permission denied")
+        raise OSError(errno.ENOSYS, "Function not implemented")
 
-    monkeypatch.setattr(loader.tempfile, "mkstemp", refused)
-    monkeypatch.setattr(loader, "_UNWRITABLE_FOLDERS", set())
+    monkeypatch.setattr(loader.os, "memfd_create", refused)
+    monkeypatch.setattr(loader, "_NO_LIST_FILE", [])
     with pytest.warns(UserWarning) as caught:
         for got, expected in zip(passes(), listed):
             assert len(got) == len(expected)
             assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
     said = [str(w.message) for w in caught if "list file" in str(w.message)]
     assert said == [
-        f"DALI's readers take lists of paths, slower to build: no list file could be written in "
-        f"{tempfile.gettempdir()} (Permission denied); set TMPDIR to a writable folder to use one."
+        "DALI's readers take lists of paths, slower to build: no list file could be made (Function not implemented)."
     ]
     assert len(lists) == 2
 

@@ -23,7 +23,6 @@ import copy
 import math
 import os
 import re
-import tempfile
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -53,8 +52,8 @@ _BATCHES_AHEAD = 3
 # process), while the epochs' orders take about a microsecond per sample to draw and 100 bytes to hold.
 PASS_SAMPLES = 262_144
 PASS_EPOCHS = 16
-#: Temporary folders where no list file could be written, in this process (said once each).
-_UNWRITABLE_FOLDERS: set[str] = set()
+#: Why no list file could be made in this process, once it has been said.
+_NO_LIST_FILE: list[str] = []
 # The first batches of a long pass come from a pipeline of their own, whose build does not grow with the
 # dataset's size; the one of the rest, whose reader takes a list of every file of the pass, is built while
 # they train.
@@ -229,19 +228,20 @@ class DALILoader:
     def _pipeline(self, indices: np.ndarray, seeds: np.ndarray | None) -> Any:
         """The pipeline of samples ``indices``, built.
 
-        Its reader takes their list as a file of ``path label`` lines (``SampleTable.listing``), written for
-        it and removed once it is built, or, where the table cannot be listed (``SampleTable.listable``) or
-        no file can be written (``_write_listing``), as lists of paths and labels, which take DALI seconds a
-        million paths to take over, holding the interpreter that the training loop needs meanwhile.
+        Its reader takes their list as a file of ``path label`` lines (``SampleTable.listing``), made for it in
+        memory (``_list_file``) and closed once it is built, or, where the table cannot be listed
+        (``SampleTable.listable``) or no such file can be made, as lists of paths and labels, which take DALI
+        seconds a million paths to take over, holding the interpreter that the training loop needs meanwhile.
         """
         source: CropSource | GeometrySource
         if seeds is not None:
             source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
-        listed = self._write_listing(indices) if self.samples.listable() else None
+        listed = self._list_file(indices) if self.samples.listable() else None
         if listed is not None:
-            files: dict[str, Any] = {"files": None, "labels": None, "file_list": listed, "file_root": self.samples.root}
+            handle, path = listed
+            files: dict[str, Any] = {"files": None, "labels": None, "file_list": path, "file_root": self.samples.root}
         else:
             files = {"files": self.samples.paths(indices), "labels": self.samples.labels[indices].tolist()}
         try:
@@ -254,33 +254,35 @@ class DALILoader:
             pipe.build()  # its reader reads the list here
         finally:
             if listed is not None:
-                os.unlink(listed)
+                os.close(handle)
         return pipe
 
-    def _write_listing(self, indices: np.ndarray) -> str | None:
-        """The path of a temporary file listing samples ``indices`` for a reader; ``None`` where none can be written.
+    def _list_file(self, indices: np.ndarray) -> tuple[int, str] | None:
+        """A file listing samples ``indices`` for a reader, in memory: its descriptor and a path that opens it while
+        the descriptor is open; ``None`` where none can be made.
 
-        Where the temporary folder takes no file (read-only, full), the process says so once, in one line, and
-        the readers take lists of paths instead: the same batches, slower to build.
+        It is written nowhere and goes with its descriptor, so that a process killed while a pipeline is built
+        (a list of ImageNet's training files is about 42 MB) leaves nothing behind. Where none can be made, the process says
+        why once, in one line, and the readers take lists of paths instead: the same batches, slower to build.
         """
-        handle, listed = None, None
+        handle = None
         try:
-            handle, listed = tempfile.mkstemp(prefix="lit_imagenet_dali_", suffix=".txt")
-            with os.fdopen(handle, "wb") as out:
-                handle = None
-                out.write(self.samples.listing(indices))
-            return listed
-        except OSError as error:
+            handle = os.memfd_create("lit_imagenet_dali_list", os.MFD_CLOEXEC)
+            path = f"/proc/self/fd/{handle}"
+            if not os.path.exists(path):
+                raise OSError(f"{path} does not open it: /proc is not mounted")
+            view = memoryview(self.samples.listing(indices))
+            while view:
+                view = view[os.write(handle, view) :]
+            return handle, path
+        except (AttributeError, OSError) as error:  # AttributeError: no memfd_create on this system
             if handle is not None:
                 os.close(handle)
-            if listed is not None and os.path.exists(listed):
-                os.unlink(listed)
-            folder = tempfile.gettempdir()
-            if folder not in _UNWRITABLE_FOLDERS:  # said once a process
-                _UNWRITABLE_FOLDERS.add(folder)
+            if not _NO_LIST_FILE:  # said once a process
+                _NO_LIST_FILE.append(str(error))
+                reason = error.strerror if isinstance(error, OSError) and error.strerror else error
                 rank_zero_warn(
-                    f"DALI's readers take lists of paths, slower to build: no list file could be written in "
-                    f"{folder} ({error.strerror or error}); set TMPDIR to a writable folder to use one."
+                    f"DALI's readers take lists of paths, slower to build: no list file could be made ({reason})."
                 )
             return None
 
