@@ -262,8 +262,9 @@ class DALILoader:
         the descriptor is open; ``None`` where none can be made.
 
         It is written nowhere and goes with its descriptor, so that a process killed while a pipeline is built
-        (a list of ImageNet's training files is about 42 MB) leaves nothing behind. Where none can be made, the process says
-        why once, in one line, and the readers take lists of paths instead: the same batches, slower to build.
+        (a list of ImageNet's training files is about 42 MB) leaves nothing behind. Where none can be made, the
+        process says why once, in one line, and the readers take lists of paths instead: the same batches, slower
+        to build.
         """
         handle = None
         try:
