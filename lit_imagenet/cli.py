@@ -45,7 +45,7 @@ from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.compat import untested_version_warning
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
-from lit_imagenet.data.prescan import yaml_mapping
+from lit_imagenet.data.prescan import option_at, yaml_mapping
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
 from lit_imagenet.training.precision import AMPFlags, resolve_amp
@@ -406,10 +406,9 @@ def linked_model_argument(args: list[str]) -> str | None:
     Args:
         args: The command line after the program's name.
     """
-    for i, arg in enumerate(args):
-        key, eq, value = arg.partition("=")
-        if not eq:
-            value = args[i + 1] if i + 1 < len(args) else ""
+    for i in range(len(args)):
+        key, given, _ = option_at(args, i)
+        value = given or ""
         where: dict[str, Any] | None = None
         if key.startswith("--model.") and key[len("--model.") :] in _LINKED:
             name = key[len("--model.") :]

@@ -213,6 +213,7 @@ def test_the_cli_keeps_the_model_config_per_instance() -> None:
         (["--model.channels_last", "false"], "--model.channels_last is set from data.channels_last"),
         (["--model.num_classes=5"], "--model.num_classes is set from the data's classes"),
         (["--config", "FILE"], "model.channels_last in FILE is set from data.channels_last"),
+        (["-cFILE"], "model.channels_last in FILE is set from data.channels_last"),
         (["--model", "FILE"], "model.channels_last in FILE is set from data.channels_last"),
         (["--config", "{model: {class_names: [a, b]}}"], "model.class_names in the config given is set from the data"),
     ],
@@ -222,8 +223,8 @@ def test_a_model_argument_that_the_data_sets_is_refused_in_one_line(
 ) -> None:
     """Without the check jsonargparse drops such a value from a config file without a word."""
     config = tmp_path / "model.yaml"
-    config.write_text("model:\n  channels_last: false\n" if given[0] == "--config" else "channels_last: false\n")
-    given = [str(config) if a == "FILE" else a for a in given]
+    config.write_text("model:\n  channels_last: false\n" if given[0] != "--model" else "channels_last: false\n")
+    given = [a.replace("FILE", str(config)) for a in given]
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", str(REPO / "configs/demo.yaml"), "--data.root", str(shapes_root), *given])
     assert exc.value.code == 2

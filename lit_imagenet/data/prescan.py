@@ -34,9 +34,10 @@ SCANNING = ("fit", "validate", "test", "predict")
 NOT_RUNNING = ("-h", "--help", "--print_config")
 
 
-def _option(words: list[str], k: int) -> tuple[str, str | None, int]:
+def option_at(words: list[str], k: int) -> tuple[str, str | None, int]:
     """The option at ``words[k]``: its name, its value (given after ``=``, joined to ``-c``, or the next word;
-    ``None`` at the end) and how many words it takes, as the command line's parser reads it."""
+    ``None`` at the end) and how many words it takes, as the command line's parser reads it. ``cli.py`` reads the
+    command line's configs with it too."""
     word = words[k]
     if word.startswith("-c") and len(word) > 2 and not word.startswith("--"):
         return "-c", word[2:].removeprefix("="), 1  # -cFILE, -c=FILE
@@ -56,7 +57,7 @@ def _options(argv: list[str]) -> dict[str, Any] | None:
     before: list[str] = []  # the configs given before the subcommand: {fit: {data: ...}, validate: ...}
     k = 0
     while k < len(argv) and argv[k] not in SCANNING:
-        key, value, step = _option(argv, k)
+        key, value, step = option_at(argv, k)
         if key not in ("--config", "-c") or value is None:
             return None  # another subcommand, or an option the parser will refuse
         before.append(value)
@@ -70,7 +71,7 @@ def _options(argv: list[str]) -> dict[str, Any] | None:
     words = argv[k + 1 :]
     k = 0
     while k < len(words):
-        key, value, step = _option(words, k)
+        key, value, step = option_at(words, k)
         if value is None:
             step = 1
         elif key in ("--config", "-c"):
