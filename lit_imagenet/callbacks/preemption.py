@@ -7,8 +7,9 @@ batch-norm statistics but before the optimizer step, say, so that a run resumed 
 run it continued. Here the signal only sets a flag; ``StepCheckpoint``
 (``lit_imagenet.callbacks.checkpoints``) stops every process after the same training step, saves
 ``last-step.ckpt`` there, and ``requeue_slurm_job`` puts the job back in the queue, whose next start
-resumes from it with ``--ckpt_path last``. ``SigtermConsensus`` stops every rank of a DDP run at the
-same batch when any of them gets SIGTERM; ``torchrun_restart_problem`` finds a torchrun setting that
+resumes from it with ``--ckpt_path last``; every process exits once the requeue is done, with its
+status. ``SigtermConsensus`` stops every rank of a DDP run at the same batch when any of them gets
+SIGTERM; ``torchrun_restart_problem`` finds a torchrun setting that
 keeps torchrun from restarting a failed run.
 """
 
@@ -78,13 +79,24 @@ def slurm_requeues(trainer: pl.Trainer) -> bool:
 
 
 def requeue_slurm_job() -> int:
-    """Puts the SLURM job back in the queue (the first process does; the others only return); the exit status.
+    """Puts the SLURM job back in the queue (the first process does) and gives the exit status, the same on every
+    process: the others wait for the first's ``scontrol requeue`` to return before they exit.
 
     The job runs its script again when it restarts, and the script's ``--ckpt_path last`` resumes
-    from the checkpoint saved on the signal.
+    from the checkpoint saved on the signal. Under ``srun --kill-on-bad-exit=1`` a process that exited first, with
+    its non-zero status, would have ``srun`` kill the first one before or during its requeue.
     """
-    if os.environ.get("SLURM_PROCID", "0") != "0":
-        return 128 + REQUEUE_SIGNAL
+    grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    first = dist.get_rank() == 0 if grouped else os.environ.get("SLURM_PROCID", "0") == "0"
+    status = [_requeue() if first else None]
+    if grouped:
+        dist.broadcast_object_list(status, src=0)
+    return int(status[0]) if status[0] is not None else 128 + REQUEUE_SIGNAL
+
+
+def _requeue() -> int:
+    """Runs ``scontrol requeue`` on this job; the exit status of the run: ``128 + REQUEUE_SIGNAL``, or 1 (with
+    one line) where the requeue failed."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
     try:
