@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
-from lit_imagenet.callbacks import preemption
+from lit_imagenet.callbacks import checkpoints, preemption
 from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
 from tests.cli_args import error_lines
@@ -85,6 +85,29 @@ def test_process_killed_while_saving_leaves_the_previous_checkpoint(tmp_path: Pa
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert torch.load(path, weights_only=True)["global_step"] == 1
+    (left,) = [p for p in tmp_path.iterdir() if p.name != "last.ckpt"]
+    assert left.name.startswith(".last.ckpt.") and left.stat().st_size == 100_000
+    # The next process to save into the folder (a restart) removes it, saying so.
+    again = "import sys\nfrom lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO\n" \
+            "AtomicCheckpointIO().save_checkpoint({'global_step': 3}, sys.argv[1])"  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", again, str(path)], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"Removed {left} (100,000 bytes): the unfinished write of a checkpoint" in proc.stderr
+    assert os.listdir(tmp_path) == ["last.ckpt"] and torch.load(path, weights_only=True)["global_step"] == 3
+
+
+def test_only_unfinished_writes_from_before_the_process_began_are_removed(tmp_path: Path, monkeypatch) -> None:
+    """A temporary file written since the process began may belong to a write under way elsewhere; files of
+    other names are not checkpoint writes."""
+    monkeypatch.setattr(checkpoints, "_STARTED", time.time())
+    old, recent = tmp_path / ".last.ckpt.a1b2c3d4.tmp", tmp_path / ".epoch002.ckpt.zz_9y8x7.tmp"
+    others = [tmp_path / ".notes.tmp", tmp_path / "last.ckpt.a1b2c3d4.tmp", tmp_path / ".last.ckpt.a1b2.tmp"]
+    for f in (old, recent, *others):
+        f.write_bytes(b"x" * 10)
+    os.utime(old, (checkpoints._STARTED - 60, checkpoints._STARTED - 60))
+    os.utime(recent, (checkpoints._STARTED + 1, checkpoints._STARTED + 1))
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1}, tmp_path / "epoch003.ckpt")
+    assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in (recent, *others, tmp_path / "epoch003.ckpt"))
 
 
 def test_default_writer_is_replaced_but_a_users_is_kept(tmp_path: Path) -> None:

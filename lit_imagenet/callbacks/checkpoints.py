@@ -2,7 +2,8 @@
 
 ``AtomicCheckpointIO`` writes each checkpoint to a temporary file in the target folder, fsyncs it
 and renames it over the target, so a crash, a kill or a full disk during the write leaves the
-previous checkpoint intact. ``StepCheckpoint`` saves ``last-step.ckpt`` every N optimizer steps and
+previous checkpoint intact; the next save into that folder removes what a killed write left.
+``StepCheckpoint`` saves ``last-step.ckpt`` every N optimizer steps and
 when the process receives SIGTERM (Lightning turns SIGTERM into ``SIGTERMException`` at the end of
 the current batch; this callback saves before the process exits). ``--ckpt_path last`` picks the
 newest ``last*.ckpt`` of a run; ``find_last_checkpoint`` extends that to every version of the logs.
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +36,44 @@ from lit_imagenet.callbacks import preemption
 from lit_imagenet.callbacks.preemption import REQUEUE_SIGNAL, RequeueSignal
 from lit_imagenet.compat import last_checkpoint_saved, save_last_checkpoint
 
+#: The name of a checkpoint's temporary file while it is written: ``.NAME.XXXXXXXX.tmp`` (``tempfile.mkstemp``).
+_UNFINISHED = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+#: When this process began (close enough: before any checkpoint of its own was begun).
+_STARTED = time.time()
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the file, and the previous one is kept."""
+
+
+def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
+    """Removes the temporary files of checkpoint writes in ``folder`` that a process ended before it finished them
+    (killed mid-write: SIGKILL after a pre-emption's grace period, say), with one line each; the paths and sizes.
+
+    Only a file last written before this process began is taken to be such a file: one written since may be a
+    write under way in another process.
+    """
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _UNFINISHED.fullmatch(entry.name):
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not entry.is_file(follow_symlinks=False) or info.st_mtime >= _STARTED:
+                continue
+            os.remove(entry.path)
+        except OSError:
+            continue
+        removed.append((entry.path, info.st_size))
+        rank_zero_info(
+            f"Removed {entry.path} ({info.st_size:,} bytes): the unfinished write of a checkpoint, by a process "
+            "that ended during it."
+        )
+    return removed
 
 
 def _fsync_dir(folder: str) -> None:
@@ -60,8 +98,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     another file system than the target, where the final move is a copy, not an atomic rename; it
     does not fsync. Here ``torch.save`` streams into a hidden ``.NAME.XXXX.tmp`` in the target's own
     folder, which is fsynced and then renamed over the target, so a process killed mid-write, or a
-    full disk, leaves the previous checkpoint intact. Remote paths (``s3://`` ...) use Lightning's
-    writer.
+    full disk, leaves the previous checkpoint intact. The temporary file that a killed process left
+    is removed by the next save into that folder (``remove_unfinished_writes``). Remote paths (``s3://``
+    ...) use Lightning's writer.
     """
 
     @override
@@ -80,6 +119,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
+        remove_unfinished_writes(folder)
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(fd, "wb") as f:
