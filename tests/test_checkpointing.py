@@ -247,30 +247,36 @@ def _requeue_rank(rank: int, init_file: str, folder: str) -> None:
     os.environ["SLURM_PROCID"] = str(rank)
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        status = preemption.requeue_slurm_job()
-        Path(folder, f"rank{rank}.txt").write_text(f"{status} {time.time()}")
+        returned = []
+        for attempt in ("works", "fails"):
+            if rank == 0 and attempt == "fails":
+                Path(folder, "fail").touch()  # the next scontrol fails
+            returned += [str(preemption.requeue_slurm_job()), str(time.time())]
+        Path(folder, f"rank{rank}.txt").write_text(" ".join(returned))
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("works", [True, False])
-def test_every_process_waits_for_the_requeue_and_exits_with_its_status(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, works: bool
-) -> None:
+def test_every_process_waits_for_the_requeue_and_exits_with_its_status(tmp_path: Path, monkeypatch) -> None:
     """Under ``srun --kill-on-bad-exit=1`` a process that exited before the first one's ``scontrol requeue``
-    returned would have ``srun`` kill it: none does, and all give the requeue's exit status."""
-    bin_dir, done = tmp_path / "bin", tmp_path / "requeued"
+    returned would have ``srun`` kill it: none does, and all give the requeue's exit status, once with an
+    ``scontrol`` that requeues the job and once with one that fails."""
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    outcome = f"date +%s.%N > {done}; exit 0" if works else f"date +%s.%N > {done}; echo 'Job is pending' >&2; exit 1"
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\nsleep 2\n{outcome}\n")
+    (bin_dir / "scontrol").write_text(
+        f"#!/bin/sh\nsleep 1\nif [ -e {tmp_path}/fail ]; then date +%s.%N > {tmp_path}/failed\n"
+        f"echo 'Job is pending' >&2; exit 1; fi\ndate +%s.%N > {tmp_path}/requeued\n"
+    )
     (bin_dir / "scontrol").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     torch.multiprocessing.spawn(_requeue_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2)
-    returned = [(tmp_path / f"rank{rank}.txt").read_text().split() for rank in (0, 1)]
-    assert [int(status) for status, _ in returned] == [128 + signal.SIGUSR1 if works else 1] * 2
-    assert all(float(second) >= float(done.read_text()) for _, second in returned)
+    requeued, failed = (float((tmp_path / name).read_text()) for name in ("requeued", "failed"))
+    for rank in (0, 1):
+        status, second, status_then, second_then = (tmp_path / f"rank{rank}.txt").read_text().split()
+        assert (int(status), int(status_then)) == (128 + signal.SIGUSR1, 1), rank
+        assert float(second) >= requeued and float(second_then) >= failed, rank
 
 
 def test_torchrun_restarts_that_cannot_work_are_named(monkeypatch) -> None:
