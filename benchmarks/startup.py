@@ -51,6 +51,10 @@ filled before the first timed row by one import of what the runs import: what an
 compiled its bytecode gives (pip's default), where the interpreter's packages hold none. Its rows are
 named with `` (bytecode cached)``.
 
+With ``--warm-gpu`` one process runs a ResNet-50 step on the GPU before the first timed row: a machine's first CUDA
+process reads the CUDA libraries from disk, seconds that its later processes do not spend, so without it the first
+row (the reference's, when given) holds a cost of the machine's state that the others do not.
+
 With ``--probe`` each run of this package also carries the callback of ``benchmarks/probe.py``: its row then holds
 when training started, when each of its first batches came and when its step ended (``probe.batches_s``), and its
 main process's PSS after some steps, split by what is mapped, beside the page-locked memory that torch holds for
@@ -105,6 +109,18 @@ WARM_IMPORTS = (
     "torchvision.transforms, lit_imagenet.cli\n"
     "if importlib.util.find_spec('nvidia.dali'):\n"
     "    import nvidia.dali, nvidia.dali.plugin.pytorch"
+)
+
+# Run once before the rows with --warm-gpu: a ResNet-50 step under autocast, so that the CUDA, cuDNN and cuBLAS
+# libraries the runs load are in the page cache, for the reference's first run as for this package's.
+WARM_GPU = (
+    "import torch, torchvision\n"
+    "model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)\n"
+    "x = torch.randn(8, 3, 224, 224, device='cuda').to(memory_format=torch.channels_last)\n"
+    "with torch.autocast('cuda', torch.float16):\n"
+    "    loss = model(x).float().sum()\n"
+    "loss.backward()\n"
+    "torch.cuda.synchronize()"
 )
 
 
@@ -504,6 +520,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every process with a compiled bytecode cache under OUT/pycache, filled first",
     )
+    parser.add_argument("--warm-gpu", action="store_true",
+                        help="first, a ResNet-50 step on the GPU in a process of its own: every run, the "
+                             "reference's first too, finds the CUDA libraries in the page cache")  # fmt: skip
     parser.add_argument("--probe", action="store_true",
                         help="this package's runs also write their first batches and their main process's memory "
                              "(benchmarks/probe.py) into their rows")  # fmt: skip
@@ -578,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     for _, python, run_env in pythons if args.bytecode else []:
         subprocess.run([*python, "-c", WARM_IMPORTS], cwd=REPO, env=run_env, check=True)
+    if args.warm_gpu:
+        subprocess.run([sys.executable, "-c", WARM_GPU], cwd=REPO, env=env, check=True)
     for suffix, python, run_env in pythons if not args.no_imports else []:
         for what, code in IMPORTS:
             began = time.monotonic()
