@@ -254,6 +254,25 @@ def test_dali_rows(shapes_root: Path, tmp_path: Path) -> None:
     assert "--data.decoder dali" in Path(rows[1]["log"]).read_text().splitlines()[0]
 
 
+@pytest.mark.dali
+def test_dali_pipelines_records_each_stage_with_its_memory(tmp_path: Path) -> None:
+    """``dali_pipelines.py`` builds three pipelines and records each stage with its seconds and resident memory."""
+    from benchmarks.dali_pipelines import main
+
+    out = tmp_path / "pipelines.json"
+    images = ["--images", "24", "--batches", "2", "--folder", str(tmp_path / "images")]
+    assert main(["--one", "1", *images, "--out", str(out)]) == 0  # what each thread count's process runs
+    events = json.loads(out.read_text())
+    names = [e["event"] for e in events]
+    assert names[:3] == ["start", "DALI imported", "first pipeline built"]
+    assert names[-1] == "its next 6 batches" and len(names) == 15
+    assert all(e["anonymous"] > 0 and e["files"] > 0 for e in events)
+    assert [e["second"] for e in events] == sorted(e["second"] for e in events)
+    built = [e for e in events if "built" in e["event"]]
+    assert len(built) == 3 and all(e["build_s"] > 0 for e in built)
+    assert all(e["s_per_batch"] > 0 for e in events if "s_per_batch" in e)
+
+
 def test_step_timeline_splits_each_epoch_into_head_steps_and_tail(shapes_root: Path, tmp_path: Path, capsys) -> None:
     from benchmarks.step_timeline import StepTimeline
     from lit_imagenet.cli import main
