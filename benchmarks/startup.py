@@ -51,9 +51,11 @@ filled before the first timed row by one import of what the runs import: what an
 compiled its bytecode gives (pip's default), where the interpreter's packages hold none. Its rows are
 named with `` (bytecode cached)``.
 
-With ``--warm-gpu`` one process runs a ResNet-50 step on the GPU before the first timed row: a machine's first CUDA
-process reads the CUDA libraries from disk, seconds that its later processes do not spend, so without it the first
-row (the reference's, when given) holds a cost of the machine's state that the others do not.
+With ``--warm-gpu`` one process runs a ResNet-50 step on the GPU before the first timed row, so that no timed run is
+the machine's first CUDA process, the one that loads the CUDA, cuDNN and cuBLAS libraries first: without it the first
+row (the reference's, when given) may hold a cost of the machine's state that the others do not. It does not take away
+what the reference's first run pays for autotuning cuDNN's convolutions: 20.6 s to step 10 after it, against 10.8 s in
+its second run, on an H200 (record ``9081cd7`` of ``benchmarks/results/startup.json``).
 
 With ``--probe`` each run of this package also carries the callback of ``benchmarks/probe.py``: its row then holds
 when training started, when each of its first batches came and when its step ended (``probe.batches_s``), and its
@@ -111,8 +113,8 @@ WARM_IMPORTS = (
     "    import nvidia.dali, nvidia.dali.plugin.pytorch"
 )
 
-# Run once before the rows with --warm-gpu: a ResNet-50 step under autocast, so that the CUDA, cuDNN and cuBLAS
-# libraries the runs load are in the page cache, for the reference's first run as for this package's.
+# Run once before the rows with --warm-gpu: a ResNet-50 step under autocast, so that the reference's first run is not
+# the machine's first to load the CUDA, cuDNN and cuBLAS libraries.
 WARM_GPU = (
     "import torch, torchvision\n"
     "model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)\n"
@@ -521,8 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every process with a compiled bytecode cache under OUT/pycache, filled first",
     )
     parser.add_argument("--warm-gpu", action="store_true",
-                        help="first, a ResNet-50 step on the GPU in a process of its own: every run, the "
-                             "reference's first too, finds the CUDA libraries in the page cache")  # fmt: skip
+                        help="first, a ResNet-50 step on the GPU in a process of its own: no timed run, the "
+                             "reference's first included, is the machine's first CUDA process")  # fmt: skip
     parser.add_argument("--probe", action="store_true",
                         help="this package's runs also write their first batches and their main process's memory "
                              "(benchmarks/probe.py) into their rows")  # fmt: skip
