@@ -14,7 +14,8 @@ In one process (the first CUDA work done, as in a run), on a folder of generated
 The second and third pipelines then run ``3 * --batches`` batches more. A build shorter than 0.1 s has no share.
 
 After each step it reads the process's resident memory from ``/proc/self/smaps``, split into anonymous memory,
-mappings of ``/dev`` files (on CUDA: the page-locked host memory that DALI and CUDA allocate) and other files.
+mappings of ``/dev`` files (on CUDA: the page-locked host memory that DALI and CUDA allocate), shared memory and other
+files.
 On a machine without CUDA it runs the same pipeline on the CPU, with batches of 32.
 
     python benchmarks/dali_pipelines.py --threads 8 4 --out dali-pipelines.json
@@ -36,19 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def resident_mib() -> dict[str, int]:
-    """The process's resident memory in MiB: anonymous, mappings of ``/dev`` files, other files."""
-    parts = {"anonymous": 0, "device": 0, "files": 0}
-    kind = "anonymous"
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split(None, 1)[0]
-            if not first.endswith(":"):
-                fields = line.split(None, 5)
-                path = fields[5].strip() if len(fields) > 5 else ""
-                kind = "device" if path.startswith("/dev/") else "files" if path.startswith("/") else "anonymous"
-            elif first == "Rss:":
-                parts[kind] += int(line.split()[1])
-    return {k: round(v / 1024) for k, v in parts.items()}
+    """The process's resident memory in MiB, split as ``benchmarks/probe.py`` splits it (``pss_by_kind``)."""
+    from benchmarks.probe import pss_by_kind
+
+    return {kind: round(gib * 1024) for kind, gib in pss_by_kind(field="Rss").items()}
 
 
 def make_images(folder: Path, count: int) -> list[str]:

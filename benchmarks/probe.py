@@ -34,8 +34,11 @@ import torch
 MEMORY_STEPS = (20, 50, 100, 200, 300, 390)
 
 
-def pss_by_kind(smaps: str = "/proc/self/smaps") -> dict[str, float]:
-    """A process's PSS in GiB, split by what its mappings map: shared memory, device files, other files, anonymous."""
+def pss_by_kind(smaps: str = "/proc/self/smaps", field: str = "Pss") -> dict[str, float]:
+    """A process's PSS in GiB, split by what its mappings map: shared memory, device files, other files, anonymous.
+
+    ``field`` names another of smaps' sizes to add up instead (``Rss``: resident memory).
+    """
     kinds = {"shared memory": 0, "device": 0, "files": 0, "anonymous": 0}
     kind = "anonymous"
     with open(smaps) as f:
@@ -52,7 +55,7 @@ def pss_by_kind(smaps: str = "/proc/self/smaps") -> dict[str, float]:
                     kind = "files"
                 else:
                     kind = "anonymous"
-            elif first == "Pss:":
+            elif first == f"{field}:":
                 kinds[kind] += int(line.split()[1])
     return {k: round(v / 2**20, 3) for k, v in kinds.items()}
 
