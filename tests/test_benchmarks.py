@@ -13,6 +13,7 @@ from pathlib import Path
 
 import PIL
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -457,6 +458,15 @@ def test_a_startup_call_stopped_part_way_keeps_the_rows_it_had(tmp_path: Path, m
     assert calls == ["pil, first run", "pil, restart"]
     assert [r["run"] for r in report["rows"]] == ["pil, first run"] and report["complete"] is False
     assert report["tree"]["train"] > 0 and report["machine"] is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU's step succeeds there")
+def test_warm_gpu_without_a_cuda_device_stops_with_one_sentence(tmp_path: Path) -> None:
+    startup = _startup_module()
+    with pytest.raises(SystemExit, match="on a machine without a CUDA device, leave --warm-gpu out"):
+        startup.main(["--out", str(tmp_path / "out"), "--smoke", "--no-imports", "--warm-gpu",
+                      "--tree", str(tmp_path / "tree")])  # fmt: skip
+    assert not (tmp_path / "out" / "startup.json").exists()  # no row ran
 
 
 def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_path: Path, monkeypatch) -> None:
