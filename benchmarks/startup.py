@@ -550,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     from lit_imagenet.data.synthetic import make_shapes
 
     args.out.mkdir(parents=True, exist_ok=True)
+    # The GPU's first step, before the data is made: a machine where it fails stops at once, not minutes later.
+    warm = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if args.warm_gpu and subprocess.run([sys.executable, "-c", WARM_GPU], cwd=REPO, env=warm).returncode != 0:
+        raise SystemExit("--warm-gpu: the ResNet-50 step on the GPU failed (its error is above); on a machine "
+                         "without a CUDA device, leave --warm-gpu out.")  # fmt: skip
     per_class = -(-args.sources // 6)
     size = (40, 40) if args.smoke else (500, 375)
     sources_root = make_shapes(str(args.tree) + "-sources", train_per_class=per_class, val_per_class=1,
@@ -599,9 +604,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     for _, python, run_env in pythons if args.bytecode else []:
         subprocess.run([*python, "-c", WARM_IMPORTS], cwd=REPO, env=run_env, check=True)
-    if args.warm_gpu and subprocess.run([sys.executable, "-c", WARM_GPU], cwd=REPO, env=env).returncode != 0:
-        raise SystemExit("--warm-gpu: the ResNet-50 step on the GPU failed (its error is above); on a machine "
-                         "without a CUDA device, leave --warm-gpu out.")  # fmt: skip
     for suffix, python, run_env in pythons if not args.no_imports else []:
         for what, code in IMPORTS:
             began = time.monotonic()

@@ -467,6 +467,7 @@ def test_warm_gpu_without_a_cuda_device_stops_with_one_sentence(tmp_path: Path) 
         startup.main(["--out", str(tmp_path / "out"), "--smoke", "--no-imports", "--warm-gpu",
                       "--tree", str(tmp_path / "tree")])  # fmt: skip
     assert not (tmp_path / "out" / "startup.json").exists()  # no row ran
+    assert not (tmp_path / "tree").exists() and not (tmp_path / "tree-sources").exists()  # nor was the data made
 
 
 def test_lean_starts_the_reference_a_restart_and_a_first_run_of_their_own(tmp_path: Path, monkeypatch) -> None:
