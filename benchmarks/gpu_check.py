@@ -4,7 +4,7 @@
 one command may run for a limited time); each part's result is kept in the record with the commit it ran at:
 
 * ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
-  the real ``train.py`` under DDP), one row per test.
+  the real ``train.py`` under DDP), one row per test, a failed one with its message.
 * ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs, in the recipe's mode of the
   network (on one GPU compiled in the background, each ``fit`` row timed over its first epoch after the switch;
   on several compiled from the first step): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit``
@@ -118,8 +118,12 @@ def _machine() -> dict[str, Any]:
             "python": sys.version.split()[0]}  # fmt: skip
 
 
+#: The most characters of a failed test's message that its row keeps.
+_DETAIL_CHARS = 600
+
+
 def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
-    """``pytest -m gpu``; one row per test, from its JUnit report."""
+    """``pytest -m gpu``; one row per test, from its JUnit report, a failed one with its message."""
     report = out / "gpu-tests.xml"
     # A test module that cannot be imported on this machine is a failed row; the other tests still run.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", f"--junitxml={report}",
@@ -130,9 +134,13 @@ def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
         return [{"row": "pytest -m gpu", "ok": False, "detail": "no test report was written"}]
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        failed = case.find("failure") is not None or case.find("error") is not None
+        failure = next((f for f in (case.find("failure"), case.find("error")) if f is not None), None)
         skipped = case.find("skipped")
-        row: dict[str, Any] = {"row": name, "ok": not failed, "seconds": round(float(case.get("time", 0)), 1)}
+        row: dict[str, Any] = {"row": name, "ok": failure is None, "seconds": round(float(case.get("time", 0)), 1)}
+        if failure is not None:  # why, in the record: the assertion or the error, on one line
+            lines = [line.strip() for line in (failure.text or "").splitlines() if line.strip()]
+            why = failure.get("message") or (lines[-1] if lines else "")
+            row["detail"] = " ".join(why.split())[:_DETAIL_CHARS]
         if skipped is not None:
             row["skipped"] = True
             row["detail"] = f"skipped: {skipped.get('message', '')}"

@@ -146,14 +146,19 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
         '<testcase classname="tests.test_multi_gpu" name="test_a" time="12.5"/>'
         '<testcase classname="tests.test_multi_gpu" name="test_b" time="3"><failure message="boom"/></testcase>'
         '<testcase classname="tests.test_gpu" name="test_c" time="0"><skipped message="needs 2 CUDA devices"/>'
-        "</testcase></testsuite></testsuites>"
+        '</testcase><testcase classname="tests.test_gpu" name="test_d" time="1"><failure message="assert 5 &lt;=\n'
+        '  4"/></testcase><testcase classname="tests.test_gpu" name="test_e" time="1"><error>Traceback\n  x\n'
+        "E   RuntimeError: CUDA error\n</error></testcase></testsuite></testsuites>"
     )
     monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: None)
     rows = gpu_check.run_tests(tmp_path, [])
     assert [(r["row"], r["ok"]) for r in rows] == [
-        ("test_multi_gpu::test_a", True), ("test_multi_gpu::test_b", False), ("test_gpu::test_c", True)
+        ("test_multi_gpu::test_a", True), ("test_multi_gpu::test_b", False), ("test_gpu::test_c", True),
+        ("test_gpu::test_d", False), ("test_gpu::test_e", False),
     ]  # fmt: skip
     assert rows[2]["detail"] == "skipped: needs 2 CUDA devices" and rows[2]["skipped"]
+    assert [rows[k]["detail"] for k in (1, 3, 4)] == ["boom", "assert 5 <= 4", "E RuntimeError: CUDA error"]
+    assert "detail" not in rows[0]
     bench = gpu_check._bench_row({"setting": "fit-pil", "arch": "resnet50", "devices": 2, "images_per_sec": 5000.0,
                                   "ratio": 0.8, "peak_memory_gib": 11.0})  # fmt: skip
     assert "timeline" not in bench
