@@ -1,6 +1,7 @@
 """GPU behaviour: the same code as on CPU, checked where CUDA exists (skipped elsewhere)."""
 
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -110,6 +111,9 @@ class _FlatImages(torch.utils.data.Dataset):
 
 def _most_pinned_bytes(loader: torch.utils.data.DataLoader) -> int:
     """The most page-locked bytes torch's host allocator held while ``loader`` ran ahead of slow steps."""
+    # Garbage cycles of earlier tests (a DALI pipeline's, say) are freed here, where their threads live: a worker
+    # forked with them would free them itself, and hang or crash.
+    gc.collect()
     torch.cuda.synchronize()
     torch._C._host_emptyCache()  # blocks earlier tests left cached
     most, on_gpu = 0, []
