@@ -4,7 +4,8 @@
 one command may run for a limited time); each part's result is kept in the record with the commit it ran at:
 
 * ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
-  the real ``train.py`` under DDP), one row per test, a failed one with its message.
+  the real ``train.py`` under DDP), one row per test, a failed one with its message; a test still running after
+  ``--test-timeout`` seconds fails, and the others run.
 * ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs, in the recipe's mode of the
   network (on one GPU compiled in the background, each ``fit`` row timed over its first epoch after the switch;
   on several compiled from the first step): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit``
@@ -122,12 +123,17 @@ def _machine() -> dict[str, Any]:
 _DETAIL_CHARS = 600
 
 
-def run_tests(out: Path, pytest_args: list[str]) -> list[dict[str, Any]]:
+#: Seconds a GPU test may run before it fails (the longest ran 137 s on one H200): a test that hangs is a failed row,
+#: with the stacks of its threads in the log, and the part goes on.
+TEST_TIMEOUT = 300
+
+
+def run_tests(out: Path, pytest_args: list[str], test_timeout: int = TEST_TIMEOUT) -> list[dict[str, Any]]:
     """``pytest -m gpu``; one row per test, from its JUnit report, a failed one with its message."""
     report = out / "gpu-tests.xml"
     # A test module that cannot be imported on this machine is a failed row; the other tests still run.
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-p", "no:cacheprovider", f"--junitxml={report}",
-           "--continue-on-collection-errors", *pytest_args]  # fmt: skip
+           "--continue-on-collection-errors", "-o", f"timeout={test_timeout}", *pytest_args]  # fmt: skip
     subprocess.run(cmd, cwd=REPO)
     rows: list[dict[str, Any]] = []
     if not report.is_file():
@@ -210,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pytest-args", default="",
                         help="more pytest arguments (tests part), e.g. a test file; the rows of earlier runs with "
                         "other arguments at the same code are kept beside this run's")  # fmt: skip
+    parser.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT,
+                        help="seconds a GPU test may run before it fails, with its threads' stacks in the log "
+                        "(default %(default)s)")  # fmt: skip
     parser.add_argument("--name-commit", action="store_true",
                         help="run nothing: name the commit of each part of the record by the files that ran (for a "
                         "record written where the checkout arrived without its git history), and save it")  # fmt: skip
@@ -232,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
         if part == "tests":
-            rows = run_tests(args.out, shlex.split(args.pytest_args))
+            rows = run_tests(args.out, shlex.split(args.pytest_args), args.test_timeout)
         else:
             rows = run_bench(args.out, decoders, args.extra)
         earlier = record["parts"].get(part, {})

@@ -150,8 +150,10 @@ def test_gpu_check_reads_the_test_report_and_marks_parts_of_other_commits(tmp_pa
         '  4"/></testcase><testcase classname="tests.test_gpu" name="test_e" time="1"><error>Traceback\n  x\n'
         "E   RuntimeError: CUDA error\n</error></testcase></testsuite></testsuites>"
     )
-    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: None)
-    rows = gpu_check.run_tests(tmp_path, [])
+    commands = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda cmd, **k: commands.append(cmd))
+    rows = gpu_check.run_tests(tmp_path, ["tests/test_gpu.py"], 120)
+    assert commands[0][-3:] == ["-o", "timeout=120", "tests/test_gpu.py"]  # a test that hangs fails; the rest run
     assert [(r["row"], r["ok"]) for r in rows] == [
         ("test_multi_gpu::test_a", True), ("test_multi_gpu::test_b", False), ("test_gpu::test_c", True),
         ("test_gpu::test_d", False), ("test_gpu::test_e", False),
@@ -189,7 +191,7 @@ def test_gpu_check_keeps_the_rows_of_other_test_shares_of_the_same_code(tmp_path
     tree = {"digest": "a"}
     monkeypatch.setattr(gpu_check, "tree_digest", lambda: tree["digest"])
     results = {"x": [{"row": "test_x::t", "ok": True}], "y": [{"row": "test_y::t", "ok": False}]}
-    monkeypatch.setattr(gpu_check, "run_tests", lambda out, args: results[args[0]])
+    monkeypatch.setattr(gpu_check, "run_tests", lambda out, args, timeout: results[args[0]])
     record = tmp_path / "record.json"
 
     def check(share: str) -> dict:
