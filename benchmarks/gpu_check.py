@@ -1,7 +1,9 @@
 """The check of a GPU machine: the GPU tests, a short real ``fit`` per decoder on 1 and all GPUs, throughput.
 
 ``make gpu-check`` runs it. Two parts, which can run apart (``--part tests`` and ``--part bench``, e.g. where
-one command may run for a limited time); each part's result is kept in the record with the commit it ran at:
+one command may run for a limited time); each part's result is kept in the record with the commit it ran at and
+the machines it ran on. A part can also run in shares (``--pytest-args`` for the tests, ``--decoders`` for the bench):
+the rows of the same code's earlier shares are kept beside the new ones.
 
 * ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
   the real ``train.py`` under DDP), one row per test, a failed one with its message; a test still running after
@@ -212,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="logs and reports")
     parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
     parser.add_argument("--decoders", nargs="+", default=None,
-                        help="fit rows (default: pil torchvision nvjpeg, and dali when it imports)")  # fmt: skip
+                        help="fit rows (default: pil torchvision nvjpeg, and dali when it imports); the rows of "
+                        "earlier runs with other decoders at the same code are kept beside this run's")  # fmt: skip
     parser.add_argument("--pytest-args", default="",
                         help="more pytest arguments (tests part), e.g. a test file; the rows of earlier runs with "
                         "other arguments at the same code are kept beside this run's")  # fmt: skip
@@ -245,21 +248,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows = run_bench(args.out, decoders, args.extra)
         earlier = record["parts"].get(part, {})
-        runs = [args.pytest_args] if part == "tests" and args.pytest_args else []
-        if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get("pytest_args"):
-            # Another share of the same code's tests (e.g. where one command may only run so long): kept beside.
+        # A share of a part: the tests of some pytest arguments, or the bench of some decoders (e.g. where one
+        # command may only run so long). The rows of the same code's other shares are kept beside this one's.
+        key, share = ("pytest_args", args.pytest_args) if part == "tests" else ("decoders", args.decoders)
+        runs = [share] if share else []
+        machines = [record["machine"]]
+        if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get(key):
             names = {r["row"] for r in rows}
             rows = [r for r in earlier["rows"] if r["row"] not in names] + rows
-            kept = earlier["pytest_args"]
+            kept = earlier[key]
             runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
+            machines = [m for m in earlier.get("machines", []) if m != record["machine"]] + machines
         failed = sum(not r["ok"] for r in rows)
         skipped = sum(bool(r.get("skipped")) for r in rows)
         now = datetime.datetime.now().isoformat(timespec="seconds")
         record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
                                  "passed": len(rows) - failed - skipped, "failed": failed,
-                                 "skipped": skipped, "rows": rows}  # fmt: skip
+                                 "skipped": skipped, "machines": machines, "rows": rows}  # fmt: skip
         if runs:
-            record["parts"][part]["pytest_args"] = runs
+            record["parts"][part][key] = runs
         args.record.parent.mkdir(parents=True, exist_ok=True)
         args.record.write_text(json.dumps(record, indent=2) + "\n")
     print("\n" + summary(record))

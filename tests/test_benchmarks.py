@@ -206,6 +206,40 @@ def test_gpu_check_keeps_the_rows_of_other_test_shares_of_the_same_code(tmp_path
     assert [r["row"] for r in check("x")["rows"]] == ["test_x::t"]
 
 
+def test_gpu_check_keeps_the_rows_of_other_bench_shares_of_the_same_code(tmp_path: Path, monkeypatch) -> None:
+    """The bench run a few decoders at a time: one record with every decoder's rows, and each share's machine."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    machine = {"gpus": ["H200"]}
+    monkeypatch.setattr(gpu_check, "_machine", lambda: dict(machine))
+    monkeypatch.setattr(gpu_check, "tree_digest", lambda: "a")
+
+    def rows(out: Path, decoders: list[str], extra: list[str]) -> list[dict]:
+        return [{"row": "model-alone resnet50 x1", "ok": True, "images_per_sec": float(len(decoders))}] + [
+            {"row": f"fit-{d} resnet50 x1", "ok": d != "dali"} for d in decoders
+        ]
+
+    monkeypatch.setattr(gpu_check, "run_bench", rows)
+    record = tmp_path / "record.json"
+
+    def check(*decoders: str) -> dict:
+        gpu_check.main(["--part", "bench", "--out", str(tmp_path), "--record", str(record), "--decoders", *decoders])
+        return json.loads(record.read_text())["parts"]["bench"]
+
+    check("pil", "torchvision")
+    machine["gpus"] = ["H100"]
+    both = check("nvjpeg", "dali")
+    assert [r["row"] for r in both["rows"]] == [
+        "fit-pil resnet50 x1", "fit-torchvision resnet50 x1", "model-alone resnet50 x1", "fit-nvjpeg resnet50 x1",
+        "fit-dali resnet50 x1",
+    ]  # fmt: skip
+    assert both["rows"][2]["images_per_sec"] == 2.0  # a row both shares ran: the later share's
+    assert (both["passed"], both["failed"], both["decoders"]) == (4, 1, [["pil", "torchvision"], ["nvjpeg", "dali"]])
+    assert both["machines"] == [{"gpus": ["H200"]}, {"gpus": ["H100"]}]
+
+
 def test_gpu_check_names_the_commit_whose_files_ran(tmp_path: Path) -> None:
     """A record written from a checkout without its history gets the commit whose run files hash the same."""
     sys.path.insert(0, str(REPO / "benchmarks"))
