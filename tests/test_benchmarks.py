@@ -374,7 +374,11 @@ def _startup_module():
     return startup
 
 
-def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_restart(tmp_path: Path) -> None:
+def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link tree; then, ``--bytecode``: every import row and run reads one cache, compiled once before them and
+    read even where writing is turned off; each restart runs in the first run's folders."""
     startup = _startup_module()
     sources = []
     for k in range(3):
@@ -386,17 +390,20 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
     assert sum(1 for _ in (tree / "val").rglob("*.JPEG")) == 4 and os.stat(sources[0]).st_nlink == 1 + 5
     assert startup.build_tree(tmp_path / "tree", sources, train=10, val=4, classes=3) == tree  # kept, not made again
     out = tmp_path / "startup"
-    assert startup.main(["--out", str(out), "--smoke", "--probe"]) == 0
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert startup.main(["--out", str(out), "--smoke", "--probe", "--bytecode", "--restarts", "2"]) == 0
     report = json.loads((out / "startup.json").read_text())
     assert report["complete"] is True and report["machine"]["cpus"] >= 1
     imports, rows = report["rows"][:5], report["rows"][5:]
-    assert imports[-1]["run"] == "imports: lit_imagenet.cli" and all(r["seconds"] > 0 for r in imports)
-    by_package = report["import_seconds_by_package"]["lit_imagenet.cli"]
+    assert imports[-1]["run"] == "imports: lit_imagenet.cli (bytecode cached)"
+    assert all(r["seconds"] > 0 for r in imports)
+    by_package = report["import_seconds_by_package"]["lit_imagenet.cli (bytecode cached)"]
     # The 15 packages that took longest, and the rest as "other": this package's own modules rank where the
     # machine's load puts them, torch and Lightning always among the largest.
     assert {"torch", "pytorch_lightning"} <= set(by_package) and len(by_package) <= 16
     assert sum(by_package.values()) > 0.5 and ("lit_imagenet" in by_package or "other" in by_package)
-    assert [r["run"] for r in rows] == ["pil, first run", "pil, restart"]
+    named = ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)", "pil, restart 2 (bytecode cached)"]
+    assert [r["run"] for r in rows] == named
     assert all(r["seconds_to_first_step"] > 0 and r["peak_pss_gib"] > 0 and not r["timed_out"] for r in rows)
     for row in rows:  # the peak's parts add up to it; a CPU run trains eagerly: no compile child
         parts = row["peak_pss_parts_gib"]
@@ -404,7 +411,12 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
         assert set(parts) == {"main", "loader workers", "compile child", "compile workers", "early scan"}
         assert abs(sum(parts.values()) - row["peak_pss_gib"]) <= 0.03 and row["peak_pss_second"] > 0
     assert "images_per_sec" in rows[0] and len(list((out / "index-pil").glob("*.index"))) == 2
-    assert len(list((out / "runs" / "pil").rglob("version_*"))) == 2  # the restart ran in the first run's folder
+    assert len(list((out / "runs" / "pil").rglob("version_*"))) == 3  # each restart in the first run's folder
+    tag = sys.implementation.cache_tag
+    ours = out / "pycache" / str(REPO).lstrip(os.sep) / "lit_imagenet"
+    assert (ours / f"cli.{tag}.pyc").is_file()  # written by the import before the rows
+    pil = out / "pycache" / str(Path(PIL.__file__).parent).lstrip(os.sep)
+    assert (pil / f"JpegImagePlugin.{tag}.pyc").is_file()  # and by the runs: PIL imports it at the first JPEG
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
     for row in rows:  # --probe: training's start, then the first batch, whose step's end is the first logged step's
@@ -412,8 +424,8 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_a_rest
         (_, came, ended), *later = probe["batches_s"]
         assert 0 < probe["train_start_s"] <= came <= ended < row["seconds_to_first_step"] + 0.5, probe
         assert all(start >= ended for _, start, _ in later[:1]), probe
-    (memory,) = rows[0]["probe"]["memory"]  # the smoke's first run writes its memory after step 2; the restart none
-    assert memory["step"] == 2 and memory["pinned_gib"] == {} and rows[1]["probe"]["memory"] == []
+    (memory,) = rows[0]["probe"]["memory"]  # the smoke's first run writes its memory after step 2; a restart none
+    assert memory["step"] == 2 and memory["pinned_gib"] == {} and all(r["probe"]["memory"] == [] for r in rows[1:])
     assert memory["main_pss_gib"]["files"] > 0.05 and 0.1 < sum(memory["main_pss_gib"].values()) < 3, memory
 
 
@@ -606,25 +618,6 @@ def test_startup_benchmark_counts_global_steps_across_epochs(tmp_path: Path) -> 
     row = startup.run("two epochs", cmd, tmp_path, 4, startup.OURS, 8, 20, dict(os.environ), steady_from=2)
     assert row["first_step"] == 1 and not row["timed_out"]
     assert 8 * 2 / 0.6 < row["images_per_sec"] < 8 * 2 / 0.3  # steps 2 to 4, 0.4 s apart; stopped at step 4
-
-
-def test_startup_benchmark_with_bytecode_runs_every_process_on_one_filled_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``startup.py --bytecode``: compiled once before the rows, read by every run, even where writing is turned off."""
-    startup = _startup_module()
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    out = tmp_path / "startup"
-    assert startup.main(["--out", str(out), "--smoke", "--no-imports", "--bytecode", "--restarts", "2"]) == 0
-    rows = json.loads((out / "startup.json").read_text())["rows"]
-    named = ["pil, first run (bytecode cached)", "pil, restart (bytecode cached)", "pil, restart 2 (bytecode cached)"]
-    assert [r["run"] for r in rows] == named
-    assert len(list((out / "runs" / "pil").rglob("version_*"))) == 3  # each restart in the first run's folder
-    tag = sys.implementation.cache_tag
-    ours = out / "pycache" / str(REPO).lstrip(os.sep) / "lit_imagenet"
-    assert (ours / f"cli.{tag}.pyc").is_file()  # written by the import before the rows
-    pil = out / "pycache" / str(Path(PIL.__file__).parent).lstrip(os.sep)
-    assert (pil / f"JpegImagePlugin.{tag}.pyc").is_file()  # and by the runs: PIL imports it at the first JPEG
 
 
 def test_startup_rows_take_the_compiled_first_step_from_its_line(tmp_path: Path) -> None:
