@@ -10,9 +10,10 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m lit_imagenet.data.synthetic data/shapes
 	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
 
-## make test: install with the test extras, run the test suite
+## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time
+TEST_PROCESSES ?= 2
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15
 
 ## make gpu-check: on a GPU machine with the package's requirements installed: GPU tests, fits, throughput
 gpu-check:
