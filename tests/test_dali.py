@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -161,6 +162,47 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
     assert sizes.get(np.arange(len(paths))).tolist() == [list(e) for e in expected]
     with pytest.raises(DataError, match=f"^Cannot decode image {tmp_path / 'bad.jpg'} .*replace or remove the file"):
         sizes.get(np.array([0, len(paths), 1]))
+
+
+def test_image_sizes_read_ahead_stays_a_lead_ahead_of_the_samples_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reading ahead opens a bounded number of headers beyond the samples asked for, not a whole pass's."""
+    from lit_imagenet.data.images import ImageSizes
+    from lit_imagenet.data.index import SampleTable
+
+    monkeypatch.setattr(ImageSizes, "CHUNK", 64)
+    monkeypatch.setattr(ImageSizes, "AHEAD", 2)
+    monkeypatch.setattr(ImageSizes, "LEAD", 512, raising=False)
+    paths = []
+    for k in range(4):
+        Image.new("RGB", (30 + k, 20 + k)).save(tmp_path / f"{k}.jpg")
+        paths.append(str(tmp_path / f"{k}.jpg"))
+    count = 6_000
+    sizes = ImageSizes(SampleTable.from_pairs(tmp_path, [(paths[i % 4], 0) for i in range(count)]))
+
+    def read_when_still() -> int:
+        last, still_since = -1, 0.0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = int((sizes.sizes[:, 0] > 0).sum())
+            if now != last:
+                last, still_since = now, time.monotonic()
+            elif time.monotonic() - still_since > 1.5:
+                return now
+            time.sleep(0.05)
+        raise AssertionError("the reading did not settle")
+
+    sizes.read_ahead(np.arange(count))
+    try:
+        first = read_when_still()
+        assert 512 <= first <= 512 + 64, first  # a lead of 512, and the chunk that passed it
+        sizes.get(np.arange(1_000))  # reads nothing itself: all were read ahead
+        second = read_when_still()
+        assert 1_000 + 512 <= second <= 1_000 + 512 + 64, second
+    finally:
+        sizes.stop()
+    assert sizes.get(np.arange(count)).tolist() == [[20 + i % 4, 30 + i % 4] for i in range(count)]
 
 
 def test_crop_window_follows_random_resized_crop() -> None:

@@ -197,7 +197,9 @@ class ImageSizes:
     ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a loader
     worker process read the headers of an order of samples ahead of the ``get`` calls that will need
     them, so that nothing is read for the whole table before its first batch, and the reading takes
-    no time from the training process's threads. A header that cannot be read is named by ``get``.
+    no time from the training process's threads. The reading stays at most ``LEAD`` headers ahead of the
+    samples ``get`` was asked for since (plus the worker's ``AHEAD`` chunks in flight): it does not open a
+    pass's files all at once while the batches open them too. A header that cannot be read is named by ``get``.
 
     Args:
         samples: ``(path, label)`` samples (a ``SampleTable``).
@@ -205,11 +207,15 @@ class ImageSizes:
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
     CHUNK, AHEAD = 256, 16
+    #: Headers the chunks taken from the worker may lead the samples asked for by.
+    LEAD = 16_384
 
     def __init__(self, samples: SampleTable) -> None:
         self.samples = samples
         self.sizes = np.zeros((len(samples), 2), dtype=np.int32)  # 0: not read yet
         self._ahead: tuple[threading.Thread, threading.Event] | None = None
+        self._moved = threading.Condition()  # notified when samples are asked for, or the reading is to stop
+        self._asked = 0  # samples asked for since the reading started
 
     def get(self, indices: np.ndarray) -> np.ndarray:
         """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
@@ -218,6 +224,9 @@ class ImageSizes:
             DataError: A header cannot be read; the message names the file.
         """
         indices = np.asarray(indices, dtype=np.int64)
+        with self._moved:
+            self._asked += len(indices)
+            self._moved.notify_all()
         for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
             self.sizes[i] = image_size(self.samples.path(i))
         return self.sizes[indices]
@@ -231,6 +240,8 @@ class ImageSizes:
         if len(order) == 0:
             return
         done = threading.Event()
+        with self._moved:
+            self._asked = 0
         thread = threading.Thread(target=self._read, args=(order, done), daemon=True, name="image-sizes")
         self._ahead = (thread, done)
         thread.start()
@@ -239,7 +250,9 @@ class ImageSizes:
         """Stops the reading ahead, if it runs, and its worker."""
         if self._ahead is not None:
             thread, done = self._ahead
-            done.set()
+            with self._moved:
+                done.set()
+                self._moved.notify_all()
             thread.join()
             self._ahead = None
 
@@ -250,10 +263,15 @@ class ImageSizes:
         )  # fmt: skip
         with forks_skip_parent_garbage():
             chunks = iter(loader)
+        taken = 0
         try:
             for indices, sizes in chunks:
                 found = sizes[:, 0] > 0
                 self.sizes[indices[found]] = sizes[found]
+                taken += len(indices)
+                with self._moved:  # the worker fills its queue of chunks meanwhile, then waits for this thread
+                    while not done.is_set() and taken - self._asked > self.LEAD:
+                        self._moved.wait()
                 if done.is_set():
                     return
         except Exception:  # the worker went away (the process is ending): get reads what it needs
