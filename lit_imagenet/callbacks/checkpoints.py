@@ -2,7 +2,7 @@
 
 ``AtomicCheckpointIO`` writes each checkpoint to a temporary file in the target folder, fsyncs it
 and renames it over the target, so a crash, a kill or a full disk during the write leaves the
-previous checkpoint intact; the next save into that folder removes what a killed write left.
+previous checkpoint intact; the next process's first save into that folder removes what a killed write left.
 ``StepCheckpoint`` saves ``last-step.ckpt`` every N optimizer steps and
 when the process receives SIGTERM (Lightning turns SIGTERM into ``SIGTERMException`` at the end of
 the current batch; this callback saves before the process exits). ``--ckpt_path last`` picks the
@@ -14,11 +14,11 @@ training step and ``StepCheckpoint`` saves ``last-step.ckpt`` there.
 
 from __future__ import annotations
 
+import base64
 import errno
 import os
 import re
 import signal
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,10 +36,13 @@ from lit_imagenet.callbacks import preemption
 from lit_imagenet.callbacks.preemption import REQUEUE_SIGNAL, RequeueSignal
 from lit_imagenet.compat import last_checkpoint_saved, save_last_checkpoint
 
-#: The name of a checkpoint's temporary file while it is written: ``.NAME.XXXXXXXX.tmp`` (``tempfile.mkstemp``).
+#: The name of a checkpoint's temporary file while it is written: ``.NAME.XXXXXXXX.tmp`` (``_unfinished_file``).
 _UNFINISHED = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
 #: When this process began (close enough: before any checkpoint of its own was begun).
 _STARTED = time.time()
+#: The folders this process has removed unfinished writes from: a file a process left there before this one began
+#: is found by the first listing, so a folder is listed once, not at every save.
+_SWEPT: set[str] = set()
 
 
 class CheckpointWriteError(OSError):
@@ -76,6 +79,22 @@ def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
     return removed
 
 
+def _unfinished_file(path: str) -> tuple[int, str]:
+    """A new file ``.NAME.XXXXXXXX.tmp`` beside ``path``, open for writing: the descriptor and the name.
+
+    Its mode is what the umask gives a new file (as Lightning's writer and ``torch.save`` to a path give), not the
+    owner-only mode of ``tempfile.mkstemp``: a checkpoint in a group's shared folder stays readable by the group.
+    """
+    folder, name = os.path.split(path)
+    while True:
+        tag = base64.b32encode(os.urandom(5)).decode().lower()  # 8 characters of a-z and 2-7
+        tmp = os.path.join(folder, f".{name}.{tag}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def _fsync_dir(folder: str) -> None:
     # The rename is durable only once the directory entry is on disk; not every system allows this.
     try:
@@ -99,7 +118,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     does not fsync. Here ``torch.save`` streams into a hidden ``.NAME.XXXX.tmp`` in the target's own
     folder, which is fsynced and then renamed over the target, so a process killed mid-write, or a
     full disk, leaves the previous checkpoint intact. The temporary file that a killed process left
-    is removed by the next save into that folder (``remove_unfinished_writes``). Remote paths (``s3://``
+    is removed by the next process's first save into that folder (``remove_unfinished_writes``). Remote paths (``s3://``
     ...) use Lightning's writer.
     """
 
@@ -119,8 +138,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = os.path.abspath(os.fspath(path))
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        remove_unfinished_writes(folder)
-        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+        if folder not in _SWEPT:
+            remove_unfinished_writes(folder)
+            _SWEPT.add(folder)
+        fd, tmp = _unfinished_file(path)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
