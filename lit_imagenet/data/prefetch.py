@@ -83,8 +83,9 @@ class CUDAPrefetcher:
     host) and normalises it there.
 
     With ``pin``, batches are not expected in page-locked memory: that thread pins each one (those
-    already pinned are kept as they are) and copies it to the device on its stream, up to
-    ``decode_ahead`` batches ahead, so that only those batches are pinned at any time.
+    already pinned are kept as they are), copies it to the device and normalises it on its stream, up to
+    ``decode_ahead`` batches ahead, so that only those batches are pinned at any time, and the training
+    stream only waits for them.
 
     In a profiler trace the host side shows as ``prefetch: next batch`` (waiting for the loader),
     ``prefetch: wait for decode`` (the training loop waiting for the decode thread) and
@@ -130,7 +131,7 @@ class CUDAPrefetcher:
             if hasattr(batch, "decode"):
                 out = batch.decode(self.device)  # kept in uint8 while queued: a quarter of the bytes of float32
             else:
-                out = _to_device(batch, self.device)
+                out = self._normalized(_to_device(batch, self.device))
             done = torch.cuda.Event()
             done.record(stream)
         return out, done
@@ -153,6 +154,7 @@ class CUDAPrefetcher:
                 if self._decoder is None:
                     self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
                     self._decode_stream = torch.cuda.Stream(device=self.device)
+                    self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the constants' copy
                 self._pending.append(self._decoder.submit(self._decode, batch))
                 continue
             with torch.cuda.stream(self.stream):
@@ -176,7 +178,7 @@ class CUDAPrefetcher:
         else:
             current.wait_event(done)
             _record(batch, current)
-            batch = self._normalized(batch)  # on the training stream: one small kernel
+            batch = self._normalized(batch)  # a decoded batch, on the training stream: one small kernel
         self._preload()
         return batch
 
