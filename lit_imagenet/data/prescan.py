@@ -47,10 +47,11 @@ def option_at(words: list[str], k: int) -> tuple[str, str | None, int]:
     return key, words[k + 1] if k + 1 < len(words) else None, 2
 
 
-def _options(argv: list[str]) -> dict[str, Any] | None:
-    """The ``data`` options that ``argv`` sets (``root``, ``index``, ``index_dir``): the subcommand's section of the
+def section_options(argv: list[str], section: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """The options ``keys`` of ``section`` (``data``, ``trainer``) that ``argv`` sets: the subcommand's section of the
     ``--config`` files given before it, then its own ``--config`` files and flags, each overriding what came before;
-    ``None`` where it is not a scanning subcommand."""
+    ``None`` where it is not a scanning subcommand. A key given option by option (``--trainer.strategy.start_method
+    spawn``) reads as a mapping of those options."""
     if any(word.partition("=")[0] in NOT_RUNNING for word in argv):
         return None
     options: dict[str, Any] = {}
@@ -66,24 +67,35 @@ def _options(argv: list[str]) -> dict[str, Any] | None:
         return None
     command = argv[k]
     for value in before:
-        section = (yaml_mapping(value) or {}).get(command)
-        options.update(_data_options(section.get("data") if isinstance(section, dict) else None))
+        found = (yaml_mapping(value) or {}).get(command)
+        options.update(_section_keys(found.get(section) if isinstance(found, dict) else None, keys))
     words = argv[k + 1 :]
     k = 0
     while k < len(words):
         key, value, step = option_at(words, k)
+        name, _, deeper = key.removeprefix(f"--{section}.").partition(".")
         if value is None:
             step = 1
         elif key in ("--config", "-c"):
-            options.update(_data_options((yaml_mapping(value) or {}).get("data")))
-        elif key == "--data":
-            options.update(_data_options(yaml_mapping(value)))
-        elif key in ("--data.root", "--data.index", "--data.index_dir"):
-            options[key.removeprefix("--data.")] = value
+            options.update(_section_keys((yaml_mapping(value) or {}).get(section), keys))
+        elif key == f"--{section}":
+            options.update(_section_keys(yaml_mapping(value), keys))
+        elif key.startswith(f"--{section}.") and name in keys:
+            if deeper:
+                given = options.get(name)
+                options[name] = {**(given if isinstance(given, dict) else {}), deeper: value}
+            else:
+                options[name] = value
         else:
             step = 1
         k += step
     return options
+
+
+def _options(argv: list[str]) -> dict[str, Any] | None:
+    """The ``data`` options that ``argv`` sets (``root``, ``index``, ``index_dir``); ``None`` where it is not a
+    scanning subcommand."""
+    return section_options(argv, "data", ("root", "index", "index_dir"))
 
 
 def yaml_mapping(value: str) -> dict[str, Any] | None:
@@ -99,12 +111,12 @@ def yaml_mapping(value: str) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def _data_options(data: Any) -> dict[str, Any]:
-    """``root``, ``index`` and ``index_dir`` of a ``data`` mapping, given plainly or under ``init_args``."""
-    if not isinstance(data, dict):
+def _section_keys(mapping: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``keys`` of a section's mapping, given plainly or under ``init_args``."""
+    if not isinstance(mapping, dict):
         return {}
-    data = data["init_args"] if isinstance(data.get("init_args"), dict) else data
-    return {key: data[key] for key in ("root", "index", "index_dir") if key in data}
+    mapping = mapping["init_args"] if isinstance(mapping.get("init_args"), dict) else mapping
+    return {key: mapping[key] for key in keys if key in mapping}
 
 
 def _index_on(value: Any) -> bool:
