@@ -2,13 +2,16 @@
 
 import sys
 
-from lit_imagenet.data.prescan import start, stop
+from lit_imagenet.data import prescan
+from lit_imagenet.training import warmup
 
 if __name__ == "__main__":
-    scan = start(sys.argv[1:])  # the data folder's scan, while the imports below run
+    scan = prescan.start(sys.argv[1:])  # the data folder's scan, while the imports below run
+    warming = warmup.start(sys.argv[1:])  # the GPU's context and libraries, meanwhile too
     try:
         from lit_imagenet.cli import main
 
         main()
     finally:
-        stop(scan)
+        warmup.stop(warming)
+        prescan.stop(scan)
