@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from lit_imagenet.data.prescan import section_options
@@ -32,23 +33,23 @@ def _plain(value: Any) -> str | None:
     return None if value is None else str(value).strip().lower()
 
 
-def warm_device(argv: list[str], environ: dict[str, str] | None = None) -> int | None:
+def warm_device(argv: list[str], environ: Mapping[str, str] | None = None) -> int | None:
     """The index of the GPU that the run of ``argv`` trains on in this process, where it is certain; else ``None``."""
-    environ = dict(os.environ) if environ is None else environ
+    environ = os.environ if environ is None else environ
     if environ.get("LIT_IMAGENET_WARMUP", "1").strip() == "0":
         return None
     options = section_options(argv, "trainer", ("accelerator", "devices", "strategy"))
     if options is None:
         return None
     accelerator, devices, strategy = (options.get(key) for key in ("accelerator", "devices", "strategy"))
-    if isinstance(accelerator, dict) or _plain(accelerator) not in (None, "auto", "gpu", "cuda", "null"):
+    if _plain(accelerator) not in (None, "auto", "gpu", "cuda", "null"):  # a mapping reads as none of them
         return None
     given = _plain(devices)
     if given is not None and given not in ("auto", "-1") and not (given.isdigit() and int(given) >= 1):
         return None  # a list of devices, "0,1", or no device
     if isinstance(strategy, dict):
         return None  # a strategy's class or options: how it starts processes is not read here
-    if strategy is not None and any(word in str(_plain(strategy)) for word in _MULTIPROCESSING):
+    if any(word in (_plain(strategy) or "") for word in _MULTIPROCESSING):
         return None
     for name in ("LOCAL_RANK", "SLURM_LOCALID"):
         if environ.get(name, "").strip().isdigit():
