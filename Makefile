@@ -11,9 +11,12 @@ demo: $(VENV)/.installed
 	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
 
 ## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time
+## Each test process and every process it starts computes on TEST_THREADS threads (OMP_NUM_THREADS): the files run
+## side by side, so more threads than that would share the cores they already fill.
 TEST_PROCESSES ?= 2
+TEST_THREADS ?= 1
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15
 
 ## make gpu-check: on a GPU machine with the package's requirements installed: GPU tests, fits, throughput
 gpu-check:
