@@ -12,11 +12,17 @@ demo: $(VENV)/.installed
 
 ## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time
 ## Each test process and every process it starts computes on TEST_THREADS threads (OMP_NUM_THREADS): the files run
-## side by side, so more threads than that would share the cores they already fill.
+## side by side, so more threads than that would share the cores they already fill. The tests' folders (runs,
+## checkpoints, generated images) are made in memory, under /dev/shm where it exists: the runs save and sync many
+## checkpoints. A passing test's folder is removed when it ends; a failing test's is kept there, and the run says where.
 TEST_PROCESSES ?= 2
 TEST_THREADS ?= 1
 test: $(VENV)/.installed-test
-	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15
+	tmp=$$(mktemp -d /dev/shm/lit_imagenet_tests.XXXXXX 2>/dev/null || mktemp -d); \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile --durations=15 \
+		--basetemp "$$tmp"; status=$$?; \
+	if [ $$status -eq 0 ]; then rm -rf "$$tmp"; else echo "The failing tests' folders are under $$tmp"; fi; \
+	exit $$status
 
 ## make gpu-check: on a GPU machine with the package's requirements installed: GPU tests, fits, throughput
 gpu-check:
