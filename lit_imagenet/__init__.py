@@ -10,6 +10,7 @@ The package's folders are its layers, each importing only from those below it
     data/              from the folder to the batch: the scan and its index, decoding, crops,
                        samplers, datasets, nvJPEG, DALI, the prefetcher, the DataModule
     compat, errors     private attributes of Lightning and torch; the user's errors
+    lean_imports       what train.py's launch leaves out of torchmetrics' imports
 
 From Python, the pieces the command line puts together::
 

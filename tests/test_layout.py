@@ -1,9 +1,9 @@
 """The package's folders are its layers: imports go from the command line down, never up and never sideways.
 
 ``LAYERS`` lists them, top first: the package's public names, the command lines, ``callbacks/``,
-``training/``, ``data/``, and the base (``compat``, ``errors``). A module may import the modules of the
-layers below its own and, inside a folder, the other modules of that folder, as long as no import
-loop closes there. A new top-level module or folder must be given a place here.
+``training/``, ``data/``, and the base (``compat``, ``errors``, ``lean_imports``). A module may import
+the modules of the layers below its own and, inside a folder, the other modules of that folder, as
+long as no import loop closes there. A new top-level module or folder must be given a place here.
 """
 
 import ast
@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("callbacks", {"callbacks"}),
     ("training", {"training"}),
     ("data", {"data"}),
-    ("base", {"compat", "errors"}),
+    ("base", {"compat", "errors", "lean_imports"}),
 ]
 LAYER = {top: (index, name) for index, (name, tops) in enumerate(LAYERS) for top in tops}
 FOLDERS = {top for _, tops in LAYERS for top in tops if (PACKAGE / top).is_dir()}

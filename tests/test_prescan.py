@@ -196,10 +196,10 @@ def test_an_index_file_being_written_when_the_process_exits_is_removed(tmp_path:
 
 
 def test_train_py_starts_the_scan_before_its_imports(tmp_path: Path) -> None:
-    """``train.py``'s imports before its run are the early scan's module and the GPU warm-up's, which load neither
-    torch nor Lightning; the scan starts first, as the warm-up imports torch."""
+    """``train.py``'s imports before its run are the lean imports' module, the early scan's and the GPU warm-up's,
+    which load neither torch nor Lightning; the scan starts first, as the warm-up imports torch."""
     code = (
-        "import sys; import lit_imagenet.data.prescan, lit_imagenet.training.warmup; "
+        "import sys; import lit_imagenet.lean_imports, lit_imagenet.data.prescan, lit_imagenet.training.warmup; "
         "print(sorted(m for m in ('torch', 'pytorch_lightning', 'numpy', 'lit_imagenet.cli') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
@@ -207,7 +207,11 @@ def test_train_py_starts_the_scan_before_its_imports(tmp_path: Path) -> None:
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
     lines = (REPO / "train.py").read_text().splitlines()
     imports = [line for line in lines if line.startswith(("import ", "from ")) and "sys" not in line]
-    assert imports == ["from lit_imagenet.data import prescan", "from lit_imagenet.training import warmup"]
+    assert imports == [
+        "from lit_imagenet import lean_imports",
+        "from lit_imagenet.data import prescan",
+        "from lit_imagenet.training import warmup",
+    ]
     calls = [line.strip() for line in lines if ".start(" in line]
     assert [call.split("=")[1].split("(")[0].strip() for call in calls] == ["prescan.start", "warmup.start"]
 
