@@ -7,7 +7,7 @@ from lit_imagenet.data import prescan
 from lit_imagenet.training import warmup
 
 if __name__ == "__main__":
-    lean_imports.skip_unused_optional_imports()  # not transformers and scipy, for torchmetrics' text and audio metrics
+    lean_imports.skip_unused_optional_imports()  # torchmetrics' transformers, scipy.signal and pyplot: not used
     scan = prescan.start(sys.argv[1:])  # the data folder's scan, while the imports below run
     warming = warmup.start(sys.argv[1:])  # the GPU's context and libraries, meanwhile too
     try:

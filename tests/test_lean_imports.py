@@ -1,4 +1,5 @@
-"""``train.py`` does not import transformers and scipy for torchmetrics' text, multimodal and audio metrics."""
+"""``train.py`` does not import transformers, scipy and pyplot for torchmetrics' text, multimodal and audio metrics
+and its plots."""
 
 import json
 import os
@@ -25,13 +26,23 @@ LAUNCH = """
 import atexit, json, runpy, sys
 
 def report():
+    imported = ["torchmetrics", "transformers", "scipy.signal", "matplotlib.pyplot"]
+    imported = {name: name in sys.modules for name in imported}
     text = sys.modules.get("torchmetrics.text")
     flags = sys.modules.get("torchmetrics.utilities.imports")
     flag = getattr(flags, "_TRANSFORMERS_GREATER_EQUAL_4_4", None)
+    import torch, torchmetrics
+    metric = torchmetrics.MeanMetric()
+    metric.update(torch.tensor(1.0))
+    try:
+        plot = type(metric.plot()[0]).__name__
+    except ModuleNotFoundError as error:
+        plot = str(error)
     print("REPORT " + json.dumps({
-        "imported": {name: name in sys.modules for name in ["torchmetrics", "transformers", "scipy.signal"]},
+        "imported": imported,
         "bert_score": text is not None and hasattr(text, "BERTScore"),
         "flag": None if flag is None else [bool(flag), getattr(flag, "message", None)],
+        "plot": plot,
     }))
 
 atexit.register(report)
@@ -81,19 +92,34 @@ def _launches(site: Path, settings: list[str | None]) -> list[dict]:
     return reports
 
 
-def test_train_py_leaves_out_transformers_and_scipy_where_installed_unless_turned_off(stand_ins: Path) -> None:
+def test_train_py_leaves_out_transformers_scipy_and_pyplot_unless_turned_off(stand_ins: Path) -> None:
+    """transformers and scipy are stand-ins; matplotlib is a requirement of the package, so the real one."""
     lean, full = _launches(stand_ins, [None, "0"])
-    assert lean["imported"] == {"torchmetrics": True, "transformers": False, "scipy.signal": False}
+    assert lean["imported"] == {
+        "torchmetrics": True,
+        "transformers": False,
+        "scipy.signal": False,
+        "matplotlib.pyplot": False,
+    }
     assert lean["bert_score"] is False
     assert lean["flag"] == [
         False,
         "transformers is installed, but train.py does not import it for torchmetrics "
-        "(_TRANSFORMERS_GREATER_EQUAL_4_4); set LIT_IMAGENET_LEAN_IMPORTS=0 to use the torchmetrics metrics that "
-        "need it.",
+        "(_TRANSFORMERS_GREATER_EQUAL_4_4); set LIT_IMAGENET_LEAN_IMPORTS=0 to use the torchmetrics metrics and "
+        "plots that need it.",
     ]
-    # Turned off, torchmetrics imports both stand-ins as it loads, as it does with the packages themselves.
-    assert full["imported"] == {"torchmetrics": True, "transformers": True, "scipy.signal": True}
-    assert full["bert_score"] is True and full["flag"][0] is True
+    assert lean["plot"] == (
+        "matplotlib is installed, but train.py does not import it for torchmetrics (plot()); set "
+        "LIT_IMAGENET_LEAN_IMPORTS=0 to use the torchmetrics metrics and plots that need it."
+    )
+    # Turned off, torchmetrics imports the stand-ins and pyplot as it loads, as it does with the packages themselves.
+    assert full["imported"] == {
+        "torchmetrics": True,
+        "transformers": True,
+        "scipy.signal": True,
+        "matplotlib.pyplot": True,
+    }
+    assert full["bert_score"] is True and full["flag"][0] is True and full["plot"] == "Figure"
 
 
 @pytest.mark.parametrize(
@@ -118,3 +144,6 @@ def test_the_flags_it_marks_are_torchmetrics_own() -> None:
     assert [name for name in lean_imports.SKIPPED_FLAGS if not hasattr(imports, name)] == []
     source = Path(sys.modules["torchmetrics"].__file__).read_text()
     assert 'package_available("scipy")' in source
+    from torchmetrics.utilities import plot
+
+    assert callable(plot._error_on_missing_matplotlib)
