@@ -4,8 +4,12 @@ main process's host memory lies.
 It appends one JSON line per event to ``path``, each with the wall clock (``time.time()``), so that the benchmark,
 which knows when it launched the run, turns them into seconds from launch:
 
-* ``train_start`` (Lightning's ``on_train_start``), then ``batch_start`` and ``batch_end`` of each of the first
-  ``first_steps`` training batches: the first ``batch_start`` is when the loader handed over the first batch;
+* the set-up of the fit, by Lightning's hooks: ``setup`` (the data module is set up: the decoder's line has been
+  printed), ``fit_start`` (the network is on its device with its optimizer and precision), ``train_start`` (the
+  hyperparameters are logged, a checkpoint given is restored, the loaders are made and the sanity check is done)
+  and ``epoch_start`` (each of the first two training epochs);
+* ``batch_start`` and ``batch_end`` of each of the first ``first_steps`` training batches: the first
+  ``batch_start`` is when the loader handed over the first batch;
 * ``memory`` at the end of steps 20, 50, 100, 200, 300, 390 and every 500th after: the main process's PSS from
   ``/proc/self/smaps``, split by what is mapped (``shared memory``: the loader workers' batches in ``/dev/shm`` or
   memfd files; ``device``: mappings of ``/dev/nvidia*``; ``files``: libraries and other files; ``anonymous``: the
@@ -82,6 +86,7 @@ class StartupProbe(pl.Callback):
         self.first_steps = first_steps
         self.memory_steps = set(MEMORY_STEPS if memory_steps is None else memory_steps)
         self._batches = 0
+        self._epochs = 0
         self._memory_step = -1  # the last step whose memory was written
 
     def _write(self, event: str, **fields: Any) -> None:
@@ -89,9 +94,22 @@ class StartupProbe(pl.Callback):
         with self.path.open("a") as f:
             f.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.is_global_zero and stage == "fit":
+            self._write("setup", step=trainer.global_step)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self._write("fit_start", step=trainer.global_step)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self._write("train_start", step=trainer.global_step)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self._epochs < 2:
+            self._write("epoch_start", step=trainer.global_step, epoch=trainer.current_epoch)
+        self._epochs += 1
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         if trainer.is_global_zero and self._batches < self.first_steps:

@@ -58,9 +58,11 @@ what the reference's first run pays for autotuning cuDNN's convolutions: 20.6 s 
 its second run, on an H200 (record ``9081cd7`` of ``benchmarks/results/startup.json``).
 
 With ``--probe`` each run of this package also carries the callback of ``benchmarks/probe.py``: its row then holds
-when training started, when each of its first batches came and when its step ended (``probe.batches_s``), and its
-main process's PSS after some steps, split by what is mapped, beside the page-locked memory that torch holds for
-batches on their way to the GPU (``probe.memory``).
+the seconds of the fit's set-up by Lightning's hooks (``probe.setup_s``: the data module set up; ``fit_start_s``:
+the network on its device with its optimizer; ``train_start_s``: the logger, checkpoint and loaders ready;
+``epoch_start_s``), when each of its first batches came and when its step ended (``probe.batches_s``), and its main
+process's PSS after some steps, split by what is mapped, beside the page-locked memory that torch holds for batches
+on their way to the GPU (``probe.memory``).
 
     python benchmarks/startup.py --out runs/startup --reference main_amp.py
     python benchmarks/startup.py --out runs/startup --decoders pil dali --train 128116 --val 5000
@@ -323,7 +325,8 @@ def slug(name: str) -> str:
 
 def probe_summary(text: str, launched: float) -> dict[str, Any]:
     """The events of ``benchmarks/probe.py`` in seconds from the run's launch (``launched``, the wall clock):
-    when training started, the start and end of each of the first batches (``[batch, start, end]``), and the main
+    the fit's set-up by Lightning's hooks (``setup_s``, ``fit_start_s``, ``train_start_s``, ``epoch_start_s``, the
+    first epoch's), the start and end of each of the first batches (``[batch, start, end]``), and the main
     process's memory after its steps (GiB; ``pinned_gib``: the caching host allocator's counts, on CUDA). A line cut
     short by the run's end is left out."""
     events = []
@@ -337,9 +340,10 @@ def probe_summary(text: str, launched: float) -> dict[str, Any]:
         return round(event["t"] - launched, 3)
 
     out: dict[str, Any] = {}
-    start = next((e for e in events if e["event"] == "train_start"), None)
-    if start is not None:
-        out["train_start_s"] = second(start)
+    for event in ("setup", "fit_start", "train_start", "epoch_start"):
+        first = next((e for e in events if e["event"] == event), None)
+        if first is not None:
+            out[f"{event}_s"] = second(first)
     starts = {e["batch"]: second(e) for e in events if e["event"] == "batch_start"}
     ends = {e["batch"]: second(e) for e in events if e["event"] == "batch_end"}
     out["batches_s"] = [[batch, starts[batch], ends.get(batch)] for batch in sorted(starts)]
@@ -688,8 +692,13 @@ def main(argv: list[str] | None = None) -> int:
         if probe and probe["batches_s"]:
             _, first, end = probe["batches_s"][0]
             ended = f"{end:.2f}" if end is not None else "-"
-            print(f"{row['run']}: training started at {probe.get('train_start_s', float('nan')):.2f} s, its first "
-                  f"batch came at {first:.2f} s and its first step ended at {ended} s")  # fmt: skip
+            hooks = ", ".join(
+                f"{hook} {probe[f'{hook}_s']:.2f}"
+                for hook in ("setup", "fit_start", "train_start", "epoch_start")
+                if f"{hook}_s" in probe
+            )
+            print(f"{row['run']}: the fit's hooks at {hooks} s; its first batch came at {first:.2f} s and its first "
+                  f"step ended at {ended} s")  # fmt: skip
     for what, seconds_by_package in by_package.items():
         print(f"\nimport {what}, seconds by package: "
               + ", ".join(f"{name} {seconds:.2f}" for name, seconds in seconds_by_package.items()))  # fmt: skip

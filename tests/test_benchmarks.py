@@ -419,10 +419,12 @@ def test_startup_benchmark_builds_the_link_tree_and_times_a_first_run_and_restar
     assert (pil / f"JpegImagePlugin.{tag}.pyc").is_file()  # and by the runs: PIL imports it at the first JPEG
     before = rows[1]["lines_before_first_step"]  # the restart's start, line by line with its second
     assert len(before) > 1 and re.search(r"^\s*[\d.]+ Epoch 0 \[\d+/\d+\] step 1\b", before[-1]), before
-    for row in rows:  # --probe: training's start, then the first batch, whose step's end is the first logged step's
-        probe = row["probe"]
+    for row in rows:  # --probe: the fit's hooks in order, then the first batch, whose step's end is the first logged
+        probe = row["probe"]  # step's
         (_, came, ended), *later = probe["batches_s"]
-        assert 0 < probe["train_start_s"] <= came <= ended < row["seconds_to_first_step"] + 0.5, probe
+        hooks = [probe[f"{hook}_s"] for hook in ("setup", "fit_start", "train_start", "epoch_start")]
+        assert 0 < hooks[0] and hooks == sorted(hooks) and hooks[-1] <= came, probe
+        assert came <= ended < row["seconds_to_first_step"] + 0.5, probe
         assert all(start >= ended for _, start, _ in later[:1]), probe
     (memory,) = rows[0]["probe"]["memory"]  # the smoke's first run writes its memory after step 2; a restart none
     assert memory["step"] == 2 and memory["pinned_gib"] == {} and all(r["probe"]["memory"] == [] for r in rows[1:])
