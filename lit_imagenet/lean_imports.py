@@ -84,6 +84,7 @@ def mark_skipped(module: ModuleType) -> list[str]:
             super().__init__(package)
             self.available = False
             self.message = skipped_message(package, name)
+            self.skipped_package = package  # unlike a requirement found missing
 
     marked = []
     for name, package in SKIPPED_FLAGS.items():
@@ -118,10 +119,11 @@ def _run_then_mark_flags(run: Callable[[ModuleType], None], module: ModuleType) 
 
 
 def _run_then_explain_plots(run: Callable[[ModuleType], None], module: ModuleType) -> None:
-    """Runs torchmetrics' plots module; where it found matplotlib skipped, its error for a plot says why."""
+    """Runs torchmetrics' plots module; where it found matplotlib skipped (not missing), its error for a plot says
+    why."""
     run(module)
-    flag = getattr(module, "_MATPLOTLIB_AVAILABLE", True)
-    if not flag and hasattr(module, "_error_on_missing_matplotlib") and hasattr(flag, "message"):
+    flag = getattr(module, "_MATPLOTLIB_AVAILABLE", None)
+    if getattr(flag, "skipped_package", None) == "matplotlib" and hasattr(module, "_error_on_missing_matplotlib"):
 
         def _error_on_missing_matplotlib() -> None:
             raise ModuleNotFoundError(skipped_message("matplotlib", "plot()"))

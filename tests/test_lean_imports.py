@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,27 @@ def test_the_flags_it_marks_are_torchmetrics_own() -> None:
     from torchmetrics.utilities import plot
 
     assert callable(plot._error_on_missing_matplotlib)
+
+
+def test_a_plot_without_matplotlib_installed_keeps_torchmetrics_own_error() -> None:
+    """Only a skipped matplotlib gets the error that names the variable; a missing one keeps the advice to install."""
+    from lightning_utilities.core.imports import RequirementCache
+
+    def own_error() -> None:
+        raise ModuleNotFoundError("install matplotlib")
+
+    missing = types.ModuleType("plots")
+    missing._MATPLOTLIB_AVAILABLE = RequirementCache("no_such_package_here")
+    missing._error_on_missing_matplotlib = own_error
+    lean_imports._run_then_explain_plots(lambda module: None, missing)
+    assert missing._error_on_missing_matplotlib is own_error
+
+    skipped = types.ModuleType("imports")
+    skipped._MATPLOTLIB_AVAILABLE = True
+    lean_imports.mark_skipped(skipped)
+    plots = types.ModuleType("plots")
+    plots._MATPLOTLIB_AVAILABLE = skipped._MATPLOTLIB_AVAILABLE
+    plots._error_on_missing_matplotlib = own_error
+    lean_imports._run_then_explain_plots(lambda module: None, plots)
+    with pytest.raises(ModuleNotFoundError, match="set LIT_IMAGENET_LEAN_IMPORTS=0"):
+        plots._error_on_missing_matplotlib()
