@@ -10,12 +10,13 @@ demo: $(VENV)/.installed
 	$(BIN)/python -m lit_imagenet.data.synthetic data/shapes
 	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
 
-## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time
+## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time: three on two
+## cores, since much of a test's time is spent waiting on the processes it starts (their imports, a SLURM controller).
 ## Each test process and every process it starts computes on TEST_THREADS threads (OMP_NUM_THREADS): the files run
 ## side by side, so more threads than that would share the cores they already fill. The tests' folders (runs,
 ## checkpoints, generated images) are made in memory, under /dev/shm where it exists: the runs save and sync many
 ## checkpoints. A passing test's folder is removed when it ends; a failing test's is kept there, and the run says where.
-TEST_PROCESSES ?= 2
+TEST_PROCESSES ?= 3
 TEST_THREADS ?= 1
 test: $(VENV)/.installed-test
 	tmp=$$(mktemp -d /dev/shm/lit_imagenet_tests.XXXXXX 2>/dev/null || mktemp -d); \
