@@ -57,6 +57,13 @@ row (the reference's, when given) may hold a cost of the machine's state that th
 what the reference's first run pays for autotuning cuDNN's convolutions: 20.6 s to step 10 after it, against 10.8 s in
 its second run, on an H200 (record ``9081cd7`` of ``benchmarks/results/startup.json``).
 
+With ``--drop-caches`` the kernel's page cache, dentries and inodes are dropped before each run of the reference and of
+this package (``sync``, then ``3`` into ``/proc/sys/vm/drop_caches``, which needs root): each run then starts as on a
+node whose memory holds neither the data's folders nor the Python environment, as a job does on a node it has not run
+on, or after other jobs have pushed the data out; the reference then walks its 1.33 million folder entries from the
+disk. Its rows are named with `` (cold caches)``. A machine where the file cannot be written stops before anything is
+made, with one sentence.
+
 With ``--probe`` each run of this package also carries the callback of ``benchmarks/probe.py``: its row then holds
 the seconds of the fit's set-up by Lightning's hooks (``probe.setup_s``: the data module set up; ``fit_start_s``:
 the network on its device with its optimizer; ``train_start_s``: the logger, checkpoint and loaders ready;
@@ -355,6 +362,20 @@ def probe_summary(text: str, launched: float) -> dict[str, Any]:
     return out
 
 
+#: Where the kernel takes the order to drop its clean caches (``--drop-caches``).
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_caches() -> None:
+    """Writes dirty pages out, then drops the page cache, dentries and inodes, so that the next run reads from disk."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError as err:
+        raise SystemExit(f"--drop-caches: {DROP_CACHES} cannot be written ({err.strerror or err}); run the benchmark "
+                         "as root, or leave --drop-caches out.") from None  # fmt: skip
+
+
 def run(name: str, cmd: list[str], out: Path, steps: int, pattern: re.Pattern[str], images: int, timeout: float,
         env: dict[str, str], steady_from: int = 100, after_switch: int = 0,
         probe: Path | None = None) -> dict[str, Any]:  # fmt: skip
@@ -529,6 +550,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warm-gpu", action="store_true",
                         help="first, a ResNet-50 step on the GPU in a process of its own: no timed run, the "
                              "reference's first included, is the machine's first CUDA process")  # fmt: skip
+    parser.add_argument("--drop-caches", action="store_true",
+                        help="drop the kernel's file caches before every timed run (root only): each starts "
+                             "with neither the data's folders nor the Python environment in memory")  # fmt: skip
     parser.add_argument("--probe", action="store_true",
                         help="this package's runs also write their first batches and their main process's memory "
                              "(benchmarks/probe.py) into their rows")  # fmt: skip
@@ -559,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.warm_gpu and subprocess.run([sys.executable, "-c", WARM_GPU], cwd=REPO, env=warm).returncode != 0:
         raise SystemExit("--warm-gpu: the ResNet-50 step on the GPU failed (its error is above); on a machine "
                          "without a CUDA device, leave --warm-gpu out.")  # fmt: skip
+    if args.drop_caches:
+        drop_caches()  # a machine where it cannot be done stops here, before the data is made
     per_class = -(-args.sources // 6)
     size = (40, 40) if args.smoke else (500, 375)
     sources_root = make_shapes(str(args.tree) + "-sources", train_per_class=per_class, val_per_class=1,
@@ -570,6 +596,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{time.monotonic() - began:.0f} s", flush=True)  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     named = " (bytecode cached)" if args.bytecode else ""  # added to every row's name
+    named += " (cold caches)" if args.drop_caches else ""
+
+    def run_row(*run_args: Any, **run_kwargs: Any) -> dict[str, Any]:
+        """``run``, after the caches are dropped with ``--drop-caches``."""
+        if args.drop_caches:
+            drop_caches()
+        return run(*run_args, **run_kwargs)
+
     if args.bytecode:
         env = bytecode_environment(env, args.out / "pycache")
     batch = 4 if args.smoke else 256
@@ -620,17 +654,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference is not None:
         cmd = [str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        row = run("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
+        row = run_row("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
                   env, args.steady_from)  # fmt: skip
         add({**row, "of": "reference", "start": "first run", "requirements_only": False})
         for k in range(2, args.reference_runs + 1):
             again = "reference, again" + ("" if k == 2 else f" {k - 1}")
-            row = run(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+            row = run_row(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
                       args.timeout, env, args.steady_from)  # fmt: skip
             add({**row, "of": "reference", "start": "again" if k == 2 else f"again {k - 1}",
                  "requirements_only": False})  # fmt: skip
         for suffix, python, run_env in pythons[1:]:  # its first step only: what it imports, under the same interpreter
-            row = run("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
+            row = run_row("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
                       args.timeout, run_env, args.steady_from)  # fmt: skip
             add({**row, "of": "reference", "start": "first run", "requirements_only": True})
     for decoder in args.decoders:
@@ -664,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd.append("--trainer.callbacks+=" + json.dumps({"class_path": "benchmarks.probe.StartupProbe",
                                                                  "init_args": init}))  # fmt: skip
             switch = args.after_switch if run_env is env else 0  # the lean starts are timed to their first step
-            row = run(
+            row = run_row(
                 name, cmd, args.out, steps, OURS, batch, args.timeout, run_env, args.steady_from, switch, probe=probe
             )
             add({**row, "of": tag, "start": start, "requirements_only": run_env is not env})

@@ -657,3 +657,33 @@ def test_startup_runs_on_past_their_step_until_some_steps_after_the_background_c
     row = startup.run("auto2", [sys.executable, "-c", code], tmp_path, 40, startup.OURS, 256, 20, dict(os.environ),
                       steady_from=20)  # fmt: skip
     assert last_step(row) == 40 and "compiled_images_per_sec" not in row and "switch" not in row
+
+
+def test_drop_caches_drops_them_before_every_run_and_names_the_rows_so(tmp_path: Path, monkeypatch) -> None:
+    startup = _startup_module()
+    events = []
+    monkeypatch.setattr(startup, "drop_caches", lambda: events.append("drop"))
+
+    def run(name, *args, **kwargs):
+        events.append(name)
+        return {"run": name, "first_step": 1, "seconds_to_first_step": 2.5, "peak_pss_gib": 0.1, "timed_out": False}
+
+    monkeypatch.setattr(startup, "run", run)
+    reference = tmp_path / "main_amp.py"
+    reference.write_text("")
+    out = tmp_path / "startup"
+    argv = ["--out", str(out), "--smoke", "--no-imports", "--tree", str(tmp_path / "tree"), "--drop-caches"]
+    assert startup.main([*argv, "--reference", str(reference)]) == 0
+    assert events == ["drop",  # before anything is made: a machine where it fails stops at once
+                      "drop", "reference (cold caches)", "drop", "reference, again (cold caches)",
+                      "drop", "pil, first run (cold caches)", "drop", "pil, restart (cold caches)"]  # fmt: skip
+
+
+def test_drop_caches_where_the_kernel_refuses_stops_with_one_sentence(tmp_path: Path, monkeypatch) -> None:
+    startup = _startup_module()
+    monkeypatch.setattr(startup, "DROP_CACHES", tmp_path / "no such folder" / "drop_caches")
+    monkeypatch.setattr(startup, "run", lambda *args, **kwargs: pytest.fail("no run starts"))
+    with pytest.raises(SystemExit, match=r"drop_caches cannot be written \(.*\); run the benchmark as root, or leave"):
+        startup.main(["--out", str(tmp_path / "out"), "--smoke", "--no-imports", "--drop-caches",
+                      "--tree", str(tmp_path / "tree")])  # fmt: skip
+    assert not (tmp_path / "tree").exists()  # nothing was made
