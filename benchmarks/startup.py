@@ -551,8 +551,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="first, a ResNet-50 step on the GPU in a process of its own: no timed run, the "
                              "reference's first included, is the machine's first CUDA process")  # fmt: skip
     parser.add_argument("--drop-caches", action="store_true",
-                        help="drop the kernel's file caches before every timed run (root only): each starts "
-                             "with neither the data's folders nor the Python environment in memory")  # fmt: skip
+                        help="drop the kernel's file caches before each run of the reference and of train.py "
+                             "(root only): each starts with neither the data's folders nor the Python environment "
+                             "in memory")  # fmt: skip
     parser.add_argument("--probe", action="store_true",
                         help="this package's runs also write their first batches and their main process's memory "
                              "(benchmarks/probe.py) into their rows")  # fmt: skip
@@ -654,18 +655,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference is not None:
         cmd = [str(args.reference.resolve()), str(tree), "-a", "resnet50", "-b", str(batch),
                "--workers", str(args.workers), "--channels-last", "True"]  # fmt: skip
-        row = run_row("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch, args.timeout,
-                  env, args.steady_from)  # fmt: skip
+        row = run_row("reference" + named, [sys.executable, *cmd], args.out, args.steps, REFERENCE, batch,
+                      args.timeout, env, args.steady_from)  # fmt: skip
         add({**row, "of": "reference", "start": "first run", "requirements_only": False})
         for k in range(2, args.reference_runs + 1):
             again = "reference, again" + ("" if k == 2 else f" {k - 1}")
             row = run_row(again + named, [sys.executable, *cmd], args.out, args.restart_steps, REFERENCE, batch,
-                      args.timeout, env, args.steady_from)  # fmt: skip
+                          args.timeout, env, args.steady_from)  # fmt: skip
             add({**row, "of": "reference", "start": "again" if k == 2 else f"again {k - 1}",
                  "requirements_only": False})  # fmt: skip
         for suffix, python, run_env in pythons[1:]:  # its first step only: what it imports, under the same interpreter
-            row = run_row("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE, batch,
-                      args.timeout, run_env, args.steady_from)  # fmt: skip
+            row = run_row("reference" + suffix + named, [*python, *cmd], args.out, args.restart_steps, REFERENCE,
+                          batch, args.timeout, run_env, args.steady_from)  # fmt: skip
             add({**row, "of": "reference", "start": "first run", "requirements_only": True})
     for decoder in args.decoders:
         tag = f"{decoder} {args.label}".strip()
