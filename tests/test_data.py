@@ -44,6 +44,15 @@ def test_collate_equals_reference(memory_format: torch.memory_format) -> None:
     assert images.is_contiguous(memory_format=memory_format)
 
 
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_collate_of_uint8_tensors_is_in_the_memory_format_asked_for(memory_format: torch.memory_format) -> None:
+    """torchvision's images are (3, H, W) tensors, whose (H, W, 3) views numpy stacks in their own layout."""
+    images = [torch.randint(0, 256, (3, 6, 5), dtype=torch.uint8) for _ in range(4)]
+    batch, targets = collate_uint8([(image, k) for k, image in enumerate(images)], memory_format)
+    assert batch.is_contiguous(memory_format=memory_format) and torch.equal(batch, torch.stack(images))
+    assert targets.tolist() == [0, 1, 2, 3]
+
+
 def test_collate_refuses_images_of_different_sizes() -> None:
     batch = [(Image.new("RGB", (8, 8)), 0), (Image.new("RGB", (9, 8)), 1)]
     with pytest.raises(ValueError, match="one size"):

@@ -72,7 +72,8 @@ def collate_uint8(
     for i, a in enumerate(arrays):
         if a.shape != shape:
             raise ValueError(f"All images of a batch need one size. Image 0 is {shape}, image {i} is {a.shape}")
-    nhwc = torch.from_numpy(np.stack(arrays))
+    # out: NHWC in C order, which np.stack alone does not give for transposed views (uint8 tensors' HWC views)
+    nhwc = torch.from_numpy(np.stack(arrays, out=np.empty((len(arrays), *shape), dtype=np.uint8)))
     images = nhwc.permute(0, 3, 1, 2)
     if memory_format != torch.channels_last:
         images = images.contiguous(memory_format=memory_format)
