@@ -302,6 +302,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
             mean=self.mean,
             std=self.std,
             decode_ahead=self.gpu_decode_ahead,
+            split_first=decoder in ("pil", "torchvision"),  # batches of tensors, decoded in the workers
         )
 
     def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
