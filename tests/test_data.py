@@ -455,6 +455,18 @@ def test_the_first_batch_of_each_pass_is_decoded_by_every_worker_and_joined() ->
     assert sorted(set(got[0][1].tolist())) == [0, 1, 2]
 
 
+def test_a_batch_sampler_that_starts_over_at_each_iter_is_read_once() -> None:
+    """Lightning's batch sampler of a prediction records the batches it gives, and starts over when iterated again."""
+    from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
+
+    data = _ByWorker()
+    batches = _IndexBatchSamplerWrapper(torch.utils.data.BatchSampler([(i, 0) for i in range(18)], 4, False))
+    loader = PrefetchLoader(data, batch_sampler=batches, num_workers=3, collate_fn=collate_uint8, split_first=True)
+    got = [b[0][:, 0, 0, 0].tolist() for b in loader]
+    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17]]
+    assert [[i for i, _ in seen] for seen in batches.seen_batch_indices] == got
+
+
 def test_a_first_batch_smaller_than_the_workers_comes_in_one_piece_per_sample() -> None:
     data = _ByWorker()
     loader = PrefetchLoader(data, batch_size=2, sampler=EpochSeededSampler(data, seed=3), num_workers=3,

@@ -64,6 +64,20 @@ def test_predict_from_a_checkpoint_writes_top5_names_for_every_image(
         assert "class_6" not in row
 
 
+def test_predictions_with_loader_workers_are_those_without(shapes_root: Path, checkpoint: Path, tmp_path: Path) -> None:
+    """Each row's image is the one its prediction is of, however many workers decode the batches."""
+    rows = {}
+    for workers in ("0", "3"):
+        out = tmp_path / f"workers-{workers}.csv"
+        args = _common(tmp_path / workers)
+        args[args.index("--data.workers") + 1] = workers
+        main(["predict", "--ckpt_path", str(checkpoint), "--data.predict_root", str(shapes_root / "val"),
+              "--predict_writer.output", str(out), *args])  # fmt: skip
+        rows[workers] = list(csv.DictReader(open(out)))
+    assert len(rows["3"]) == len({row["path"] for row in rows["3"]}) == 15
+    assert sorted(rows["3"], key=lambda row: row["path"]) == sorted(rows["0"], key=lambda row: row["path"])
+
+
 def test_predict_writes_into_the_log_folder_by_default(shapes_root: Path, checkpoint: Path, tmp_path: Path) -> None:
     cli = main(["predict", "--ckpt_path", str(checkpoint), "--data.predict_root", str(shapes_root / "val"),
                 *_common(tmp_path)])  # fmt: skip

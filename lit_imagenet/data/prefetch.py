@@ -213,7 +213,8 @@ class _FirstBatchInPieces:
         self.first_pieces = count
         for start, end in zip(bounds, bounds[1:]):
             yield first[start:end]
-        yield from batches
+        while (batch := next(batches, None)) is not None:  # not ``yield from``, which would call ``iter`` again:
+            yield batch  # Lightning's batch sampler of a prediction starts over at each ``iter``
 
 
 def _joined(parts: list[Any]) -> Any:
