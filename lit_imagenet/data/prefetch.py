@@ -197,6 +197,8 @@ class _FirstBatchInPieces:
         self.batches = batches
         self.pieces = pieces
         self.first_pieces = 0
+        #: Cut the first batch of the passes started from now on (read as a pass draws its first batch).
+        self.active = True
 
     def __len__(self) -> int:
         return len(self.batches)  # type: ignore[arg-type]  # whole batches: the loader's length
@@ -208,7 +210,7 @@ class _FirstBatchInPieces:
             self.first_pieces = 0
             return
         first = list(first)
-        count = min(self.pieces, len(first))
+        count = min(self.pieces, len(first)) if self.active else 1
         bounds = [len(first) * i // count for i in range(count + 1)]
         self.first_pieces = count
         for start, end in zip(bounds, bounds[1:]):
@@ -246,10 +248,12 @@ class PrefetchLoader(DataLoader):
     copies them (``CUDAPrefetcher``'s ``pin``): ``DataLoader`` gets ``pin_memory=False``, so that it starts
     no pin thread, and ``pins_in_prefetcher`` is set.
 
-    With ``split_first`` and two or more workers, the first batch of each pass is decoded in pieces, one
-    per worker, which are joined in this process: a pass's first batch then comes once each worker has
-    decoded its share of it, where one worker would decode all of it (256 images, most of a second with
-    PIL), while the GPU waits. The batches, their samples and their order are the same either way.
+    With ``split_first`` and two or more workers, the first batch of a pass that starts when it is asked for
+    (a run's first epoch, a resumed one, each evaluation whose workers start with it) is decoded in pieces,
+    one per worker, which are joined in this process: it then comes once each worker has decoded its share
+    of it, where one worker would decode all of it (256 images, most of a second with PIL), while the GPU
+    waits. An epoch started early, as the last one ends, has its first batch decoded whole meanwhile. The
+    batches, their samples and their order are the same either way.
 
     Args:
         *args: Passed to ``DataLoader``.
@@ -334,10 +338,15 @@ class PrefetchLoader(DataLoader):
     def _start_next_epoch(self) -> None:
         epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
         self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        self._next_epoch = (epoch, *self._new_pass())
+        # Whole: the workers decode its first batch while the last epoch ends (validation, the checkpoint), and
+        # a batch in pieces would only add their joining to the epoch's start.
+        self._next_epoch = (epoch, *self._new_pass(split=False))
 
-    def _new_pass(self) -> tuple[Iterator[Any], int]:
-        """DataLoader's iterator of a new pass, and the pieces its first batch comes in (``split_first``)."""
+    def _new_pass(self, split: bool = True) -> tuple[Iterator[Any], int]:
+        """DataLoader's iterator of a new pass, and the pieces its first batch comes in (``split_first``; with
+        ``split`` false, one)."""
+        if isinstance(self._index_sampler, _FirstBatchInPieces):
+            self._index_sampler.active = split
         # DataLoader's iterator forks the workers (the first time, for persistent ones).
         with forks_skip_parent_garbage():
             source = super().__iter__()
