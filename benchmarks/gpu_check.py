@@ -3,7 +3,8 @@
 ``make gpu-check`` runs it. Two parts, which can run apart (``--part tests`` and ``--part bench``, e.g. where
 one command may run for a limited time); each part's result is kept in the record with the commit it ran at and
 the machines it ran on. A part can also run in shares (``--pytest-args`` for the tests, ``--decoders`` for the bench):
-the rows of the same code's earlier shares are kept beside the new ones.
+the rows of the same code's earlier shares are kept beside the new ones. Shares may run at once, each with its own
+``--out``: a share reads the record when it ends, under a lock, and replaces it whole.
 
 * ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
   the real ``train.py`` under DDP), one row per test, a failed one with its message; a test still running after
@@ -27,10 +28,13 @@ ran without its git history, ``--name-commit`` (run in the repository) names eac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import importlib.util
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -239,39 +243,64 @@ def main(argv: list[str] | None = None) -> int:
     decoders = args.decoders or ["pil", "torchvision", "nvjpeg"] + (
         ["dali"] if importlib.util.find_spec("nvidia.dali") else []
     )
-    earlier_parts = json.loads(args.record.read_text())["parts"] if args.record.is_file() else {}
-    record = {"commit": _commit(), "tree_sha256": tree_digest(), "machine": _machine(), "parts": earlier_parts}
+    record = {"commit": _commit(), "tree_sha256": tree_digest(), "machine": _machine(), "parts": {}}
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
         if part == "tests":
             rows = run_tests(args.out, shlex.split(args.pytest_args), args.test_timeout)
         else:
             rows = run_bench(args.out, decoders, args.extra)
-        earlier = record["parts"].get(part, {})
-        # A share of a part: the tests of some pytest arguments, or the bench of some decoders (e.g. where one
-        # command may only run so long). The rows of the same code's other shares are kept beside this one's.
-        key, share = ("pytest_args", args.pytest_args) if part == "tests" else ("decoders", args.decoders)
-        runs = [share] if share else []
-        machines = [record["machine"]]
-        if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get(key):
-            names = {r["row"] for r in rows}
-            rows = [r for r in earlier["rows"] if r["row"] not in names] + rows
-            kept = earlier[key]
-            runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
-            machines = [m for m in earlier.get("machines", []) if m != record["machine"]] + machines
-        failed = sum(not r["ok"] for r in rows)
-        skipped = sum(bool(r.get("skipped")) for r in rows)
-        now = datetime.datetime.now().isoformat(timespec="seconds")
-        record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
-                                 "passed": len(rows) - failed - skipped, "failed": failed,
-                                 "skipped": skipped, "machines": machines, "rows": rows}  # fmt: skip
-        if runs:
-            record["parts"][part][key] = runs
-        args.record.parent.mkdir(parents=True, exist_ok=True)
-        args.record.write_text(json.dumps(record, indent=2) + "\n")
+        with _locked(args.record):
+            # Read now, not when this share started: a share run beside it may have saved its rows meanwhile.
+            record["parts"] = json.loads(args.record.read_text())["parts"] if args.record.is_file() else {}
+            _add_share(record, part, rows, args)
+            _save(args.record, record)
     print("\n" + summary(record))
     print(f"\nRecord: {args.record}")
     return int(any(record["parts"][p]["failed"] for p in parts))
+
+
+@contextlib.contextmanager
+def _locked(record: Path) -> Any:
+    """Holds an exclusive lock on the record's folder, which shares run at once take in turn to update it."""
+    record.parent.mkdir(parents=True, exist_ok=True)
+    folder = os.open(record.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the lock
+
+
+def _save(path: Path, record: dict[str, Any]) -> None:
+    """Writes the record whole: a reader finds the old one or the new one, never part of one."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(partial, path)
+
+
+def _add_share(record: dict[str, Any], part: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Puts a part's rows in the record, beside the rows of the same code's other shares of it."""
+    earlier = record["parts"].get(part, {})
+    # A share of a part: the tests of some pytest arguments, or the bench of some decoders (e.g. where one
+    # command may only run so long). The rows of the same code's other shares are kept beside this one's.
+    key, share = ("pytest_args", args.pytest_args) if part == "tests" else ("decoders", args.decoders)
+    runs = [share] if share else []
+    machines = [record["machine"]]
+    if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get(key):
+        names = {r["row"] for r in rows}
+        rows = [r for r in earlier["rows"] if r["row"] not in names] + rows
+        kept = earlier[key]
+        runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
+        machines = [m for m in earlier.get("machines", []) if m != record["machine"]] + machines
+    failed = sum(not r["ok"] for r in rows)
+    skipped = sum(bool(r.get("skipped")) for r in rows)
+    now = datetime.datetime.now().isoformat(timespec="seconds")
+    record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
+                             "passed": len(rows) - failed - skipped, "failed": failed,
+                             "skipped": skipped, "machines": machines, "rows": rows}  # fmt: skip
+    if runs:
+        record["parts"][part][key] = runs
 
 
 if __name__ == "__main__":

@@ -206,6 +206,33 @@ def test_gpu_check_keeps_the_rows_of_other_test_shares_of_the_same_code(tmp_path
     assert [r["row"] for r in check("x")["rows"]] == ["test_x::t"]
 
 
+def test_gpu_check_shares_run_at_once_keep_each_others_rows(tmp_path: Path, monkeypatch) -> None:
+    """A share that ends while another runs: the one that ends last reads the record as the first left it."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "_machine", lambda: {"gpus": ["H"]})
+    monkeypatch.setattr(gpu_check, "tree_digest", lambda: "a")
+    record = tmp_path / "record.json"
+
+    def check(share: str) -> int:
+        out = tmp_path / share
+        return gpu_check.main(["--part", "tests", "--out", str(out), "--record", str(record), "--pytest-args", share])
+
+    def run_tests(out: Path, args: list[str], timeout: int) -> list[dict]:
+        if args == ["long"]:
+            check("short")  # starts after this share and ends before it
+        return [{"row": f"test_{args[0]}::t", "ok": True}]
+
+    monkeypatch.setattr(gpu_check, "run_tests", run_tests)
+    assert check("long") == 0
+    tests = json.loads(record.read_text())["parts"]["tests"]
+    assert [r["row"] for r in tests["rows"]] == ["test_short::t", "test_long::t"]
+    assert (tests["passed"], tests["pytest_args"]) == (2, ["short", "long"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long", "record.json", "short"]  # no partial file left
+
+
 def test_gpu_check_keeps_the_rows_of_other_bench_shares_of_the_same_code(tmp_path: Path, monkeypatch) -> None:
     """The bench run a few decoders at a time: one record with every decoder's rows, and each share's machine."""
     sys.path.insert(0, str(REPO / "benchmarks"))
