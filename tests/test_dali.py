@@ -502,7 +502,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
         return fit_args(
             shapes_root, out, "--data.decoder", "dali", "--trainer.max_epochs", "2", "--trainer.deterministic",
             "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "1",
-            "--trainer.limit_val_batches", "1", *extra,
+            "--trainer.limit_val_batches", "1", "--model.arch", "shufflenet_v2_x0_5", *extra,
             batch_size=8, workers=2,
         )  # fmt: skip
 
