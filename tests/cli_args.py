@@ -3,12 +3,20 @@
 import re
 from pathlib import Path
 
+#: A network with batch norm and a quarter of ResNet-18's step time on a CPU thread at 32x32 (49 against 185 ms for a
+#: batch of 6): for the tests whose checks hold for any network (resumes, signals, processes), where the steps are
+#: not what is tested.
+SMALL_ARCH = "shufflenet_v2_x0_5"
 
-def fit_args(root: Path, out: Path, *extra: str, batch_size: int = 8, workers: int = 0) -> list[str]:
-    """``fit`` on CPU at 32x32 with ResNet-18, logging and checkpointing under ``out``; ``extra`` goes last."""
+
+def fit_args(
+    root: Path, out: Path, *extra: str, batch_size: int = 8, workers: int = 0, arch: str = "resnet18"
+) -> list[str]:
+    """``fit`` on CPU at 32x32 with ``arch`` (ResNet-18), logging and checkpointing under ``out``; ``extra`` goes
+    last."""
     return [
         "fit", "--data.root", str(root), "--data.batch_size", str(batch_size), "--data.workers", str(workers),
-        "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", "resnet18",
+        "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", arch,
         "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
         "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out),
         "--trainer.logger.init_args.save_dir", str(out), *extra,

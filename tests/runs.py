@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from tests.cli_args import fit_args
+from tests.cli_args import SMALL_ARCH, fit_args
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_SCRIPT = REPO / "scripts" / "slurm_cpu.sbatch"
@@ -43,10 +43,10 @@ def job_script_flags() -> list[str]:
 def run_flags(root: Path, out: Path) -> list[str]:
     """What the tests add after the job script's flags: the tiny data and model, the seeds, the steps."""
     return fit_args(
-        root, out, "--model.arch", "shufflenet_v2_x0_5", "--trainer.max_epochs", str(STEPS // 12),
+        root, out, "--trainer.max_epochs", str(STEPS // 12),
         "--trainer.deterministic", "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "4",
         "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "4", "--curves.enabled", "false",
-        batch_size=6,
+        batch_size=6, arch=SMALL_ARCH,
     )[1:]  # fmt: skip
 
 

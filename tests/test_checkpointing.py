@@ -14,7 +14,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from lit_imagenet.callbacks import checkpoints, preemption
 from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
 from lit_imagenet.cli import main
-from tests.cli_args import error_lines
+from tests.cli_args import SMALL_ARCH, error_lines
 from tests.cli_args import fit_args as _fit_args
 from tests.runs import run_train, wait_for_file
 
@@ -182,7 +182,7 @@ def _step(ckpt: Path) -> int:
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Path, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # batches of 2: 12 steps per epoch; many epochs, so that the run is still going when the signal comes
-    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000")
+    args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000", arch=SMALL_ARCH)
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     first = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
@@ -198,7 +198,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     assert saved >= 12
 
     args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_steps", str(saved + 2),
-                     "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last")  # fmt: skip
+                     "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last", arch=SMALL_ARCH)  # fmt: skip
     proc = run_train(args, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout

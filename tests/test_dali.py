@@ -25,7 +25,7 @@ from lit_imagenet.data.prefetch import PrefetchLoader
 from lit_imagenet.data.presets import IMAGENET_STD, Uint8Normalize
 from lit_imagenet.data.samplers import EpochSeededSampler, UnpaddedDistributedSampler
 from lit_imagenet.errors import ConfigError, DataError
-from tests.cli_args import fit_args
+from tests.cli_args import SMALL_ARCH, fit_args
 from tests.runs import final_checkpoint, network
 from tests.test_data import _CollectsGarbage
 from tests.test_resume import _start, kill_when
@@ -502,8 +502,8 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
         return fit_args(
             shapes_root, out, "--data.decoder", "dali", "--trainer.max_epochs", "2", "--trainer.deterministic",
             "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "1",
-            "--trainer.limit_val_batches", "1", "--model.arch", "shufflenet_v2_x0_5", *extra,
-            batch_size=8, workers=2,
+            "--trainer.limit_val_batches", "1", *extra,
+            batch_size=8, workers=2, arch=SMALL_ARCH,
         )  # fmt: skip
 
     whole, cut = tmp_path / "whole", tmp_path / "cut"

@@ -9,7 +9,7 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 
 from lit_imagenet.training.strategies import DefaultStreamDDPStrategy
-from tests.cli_args import fit_args
+from tests.cli_args import SMALL_ARCH, fit_args
 from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_two_processes_train_with_it(shapes_root: Path, tmp_path: Path) -> None:
                       f"      init_args: {{folder: {tmp_path / 'collectives'}}}\n")  # fmt: skip
     args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp_default_stream",
                     "--trainer.max_epochs", "2", "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0",
-                    "--config", str(record))  # fmt: skip
+                    "--config", str(record), arch=SMALL_ARCH)  # fmt: skip
     proc = run_train(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Starting with 2 processes" in proc.stderr + proc.stdout
@@ -65,8 +65,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(shape
     from tests.runs import rank_pid
 
     args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                    "--trainer.max_steps", "100000", "--trainer.max_epochs", "-1",
-                    "--trainer.log_every_n_steps", "1", "--trainer.limit_val_batches", "0")  # fmt: skip
+                    "--trainer.max_steps", "100000", "--trainer.max_epochs", "-1", "--trainer.log_every_n_steps", "1",
+                    "--trainer.limit_val_batches", "0", arch=SMALL_ARCH)  # fmt: skip
     errors = tmp_path / "stderr.txt"
     with open(errors, "w") as err_file:
         proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
@@ -88,7 +88,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(shape
     step = torch.load(saved, map_location="cpu", weights_only=False)["global_step"]
     resumed = run_train(fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
                                  "--trainer.max_steps", str(step + 2), "--trainer.max_epochs", "-1",
-                                 "--trainer.limit_val_batches", "0", "--ckpt_path", "last"), cwd=tmp_path)  # fmt: skip
+                                 "--trainer.limit_val_batches", "0", "--ckpt_path", "last", arch=SMALL_ARCH),
+                       cwd=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"Resuming from {saved}" in resumed.stdout
 
@@ -98,11 +99,12 @@ def test_two_processes_predict_into_the_log_folder(shapes_root: Path, tmp_path: 
     """The default CSV path is the trainer's log folder, which rank 0 broadcasts: every rank must ask for it."""
     import csv
 
-    fit = run_train(fit_args(shapes_root, tmp_path / "fit", "--trainer.max_epochs", "1"))
+    fit = run_train(fit_args(shapes_root, tmp_path / "fit", "--trainer.max_epochs", "1", arch=SMALL_ARCH))
     assert fit.returncode == 0, fit.stderr[-3000:]
     ckpt = next((tmp_path / "fit").rglob("last.ckpt"))
     args = fit_args(shapes_root, tmp_path / "predict", "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                    "--ckpt_path", str(ckpt), "--data.predict_root", str(shapes_root / "val"))[1:]  # fmt: skip
+                    "--ckpt_path", str(ckpt), "--data.predict_root", str(shapes_root / "val"),
+                    arch=SMALL_ARCH)[1:]  # fmt: skip
     done = run_train(["predict", *[a for a in args if a not in ("--data.root", str(shapes_root))]])
     assert done.returncode == 0, done.stderr[-3000:]
     (written,) = (tmp_path / "predict").rglob("predictions.csv")
@@ -125,7 +127,7 @@ def test_an_error_of_rank_0_before_the_ranks_meet_ends_the_rank_it_launched(shap
         taken.listen()
         port = taken.getsockname()[1]
         args = fit_args(shapes_root, tmp_path, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                        "--trainer.max_epochs", "1")  # fmt: skip
+                        "--trainer.max_epochs", "1", arch=SMALL_ARCH)  # fmt: skip
         env = run_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         started = time.monotonic()
         proc = run_train(args, timeout=240, cwd=tmp_path, env=env)

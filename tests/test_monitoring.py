@@ -12,6 +12,7 @@ from lit_imagenet.callbacks.checkpoints import StepCheckpoint
 from lit_imagenet.callbacks.guard import NonFiniteGuard, NonFiniteLossError
 from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.cli import main
+from tests.cli_args import SMALL_ARCH
 from tests.test_checkpointing import _fit_args
 
 
@@ -112,7 +113,8 @@ def restore_determinism():
 def test_deterministic_runs_give_identical_weights(shapes_root: Path, tmp_path: Path, restore_determinism) -> None:
     def fit(seed: int, out: str) -> dict[str, torch.Tensor]:
         args = _fit_args(shapes_root, tmp_path / out, "--trainer.max_epochs", "1", "--data.workers", "1",
-                         "--trainer.deterministic", "true", "--seed_everything", str(seed))  # fmt: skip
+                         "--trainer.deterministic", "true", "--seed_everything", str(seed),
+                         arch=SMALL_ARCH)  # fmt: skip
         return main(args).model.state_dict()
 
     first, second, other = fit(1, "a"), fit(1, "b"), fit(2, "c")

@@ -14,7 +14,7 @@ import pytest
 from lit_imagenet.cli import main
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.samplers import EpochSeededSampler
-from tests.cli_args import fit_args
+from tests.cli_args import SMALL_ARCH, fit_args
 from tests.runs import differing, final_checkpoint, global_step, run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,9 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 def _args(root: Path, out: Path, *extra: str) -> list[str]:
     return fit_args(
         root, out, "--trainer.max_epochs", "2", "--trainer.deterministic", "true", "--seed_everything", "7",
-        "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "2",
-        "--model.arch", "shufflenet_v2_x0_5", *extra,  # batch norm without ResNet-18's compute: the run is the test
-        batch_size=6, workers=2,
+        "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "2", *extra,
+        batch_size=6, workers=2, arch=SMALL_ARCH,
     )  # fmt: skip
 
 
@@ -147,8 +146,8 @@ def _elastic_run(root: Path, out: Path, processes: int, *extra: str) -> subproce
                       f"      init_args: {{folder: {out / 'batches'}}}\n")  # fmt: skip
     args = fit_args(root, out, "--trainer.devices", str(processes), "--seed_everything", "5",
                     "--step_checkpoint.every_n_train_steps", "1", "--trainer.limit_val_batches", "1",
-                    "--curves.enabled", "false", "--model.arch", "shufflenet_v2_x0_5", "--config", str(record), *extra,
-                    batch_size=3)  # fmt: skip
+                    "--curves.enabled", "false", "--config", str(record), *extra, batch_size=3,
+                    arch=SMALL_ARCH)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = run_train(args, cwd=out, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
