@@ -14,6 +14,10 @@ CUDA that its parent initialised, and a spawning parent would hold a context on 
 given option by option or as a class, whose start method is not read here; a subcommand that does not run; no GPU;
 ``LIT_IMAGENET_WARMUP=0`` in the environment. The warm-up only saves time: an error in it is left for the run to
 meet and report.
+
+Where the run decodes with DALI (``--data.decoder dali``, or ``auto`` on one GPU of one node with DALI installed,
+which ``auto`` then picks), the thread goes on to build DALI's decoder on that GPU (``data.dali_primer``), so that
+the DALI loader's first pipeline finds it started; ``stop`` lets it go where the loader did not.
 """
 
 from __future__ import annotations
@@ -57,7 +61,26 @@ def warm_device(argv: list[str], environ: Mapping[str, str] | None = None) -> in
     return 0
 
 
-def _warm(index: int) -> None:
+def primes_dali(argv: list[str], gpus: int) -> bool:
+    """Whether the run of ``argv``, warmed up on one of this machine's ``gpus`` GPUs, decodes with DALI there."""
+    data = section_options(argv, "data", ("decoder",))
+    trainer = section_options(argv, "trainer", ("devices", "num_nodes"))
+    if data is None or trainer is None:
+        return False
+    decoder = _plain(data.get("decoder"))
+    if decoder == "auto":
+        devices, nodes = _plain(trainer.get("devices")), _plain(trainer.get("num_nodes"))
+        count = gpus if devices in (None, "auto", "-1") else int(devices) if devices.isdigit() else 0
+        if count * (int(nodes) if nodes is not None and nodes.isdigit() else 1) != 1:
+            return False  # auto picks nvjpeg on several processes (data.datamodule.choose_decoder)
+    elif decoder != "dali":
+        return False
+    from lit_imagenet.data import dali_primer
+
+    return dali_primer.library_folder() is not None
+
+
+def _warm(index: int, dali: bool) -> None:
     import torch
 
     try:
@@ -68,6 +91,10 @@ def _warm(index: int) -> None:
         torch.cuda.synchronize(device)
     except Exception:  # noqa: BLE001  (the run meets it again, and says what it is)
         pass
+    if dali:
+        from lit_imagenet.data import dali_primer
+
+        dali_primer.make(index)
 
 
 def start(argv: list[str]) -> threading.Thread | None:
@@ -80,12 +107,21 @@ def start(argv: list[str]) -> threading.Thread | None:
 
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
         return None
-    thread = threading.Thread(target=_warm, args=(index,), name="cuda-warmup", daemon=True)
+    dali = primes_dali(argv, torch.cuda.device_count())
+    if dali:
+        from lit_imagenet.data import dali_primer
+
+        dali_primer.expect()
+    thread = threading.Thread(target=_warm, args=(index, dali), name="cuda-warmup", daemon=True)
     thread.start()
     return thread
 
 
 def stop(thread: threading.Thread | None) -> None:
-    """Waits for the warm-up's thread, if one started, so that the process never ends inside a CUDA call."""
+    """Waits for the warm-up's thread, if one started, so that the process never ends inside a CUDA call, and lets
+    DALI's primer go if the loader did not."""
     if thread is not None:
         thread.join()
+        from lit_imagenet.data import dali_primer
+
+        dali_primer.release()

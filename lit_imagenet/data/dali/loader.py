@@ -33,6 +33,7 @@ from pytorch_lightning.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import Sampler
 
+from lit_imagenet.data import dali_primer
 from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline
 from lit_imagenet.data.images import ImageSizes, load_rgb
 from lit_imagenet.data.index import SampleTable
@@ -244,6 +245,7 @@ class DALILoader:
             files: dict[str, Any] = {"files": None, "labels": None, "file_list": path, "file_root": self.samples.root}
         else:
             files = {"files": self.samples.paths(indices), "labels": self.samples.labels[indices].tolist()}
+        dali_primer.settle()  # DALI's decoder, started at launch (training.warmup): this build finds it ready
         try:
             pipe = build_pipeline(
                 source=source, batch_size=self.batch_size, threads=self.threads,
@@ -255,6 +257,7 @@ class DALILoader:
         finally:
             if listed is not None:
                 os.close(handle)
+        dali_primer.release()  # what it started stays with the process; its buffers go
         return pipe
 
     def _list_file(self, indices: np.ndarray) -> tuple[int, str] | None:
