@@ -54,6 +54,43 @@ def test_without_dali_no_primer_is_made_and_the_reason_says_so(monkeypatch: pyte
     assert time.perf_counter() - start < 1  # nothing is left to wait for
 
 
+@pytest.mark.parametrize(
+    ("init", "made"),
+    [
+        ("__version__ = '2.5.0'\n", "NVIDIA DALI 2.5.0"),
+        ('__version__ = "1.52.0"\n', "NVIDIA DALI 1.52.0"),
+        ("# no version here\n", "NVIDIA DALI of an unknown version"),
+    ],
+)
+def test_a_dali_of_another_version_gets_no_primer_and_its_libraries_are_not_loaded(
+    init: str, made: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The primer's structures are one DALI version's C API: another version's is not called with them."""
+    (tmp_path / "__init__.py").write_text(init)
+    (tmp_path / "libdali.so").write_bytes(b"not a library")  # loading it would fail with another reason
+    monkeypatch.setattr(dali_primer, "library_folder", lambda: tmp_path)
+    dali_primer.expect()
+    assert dali_primer.make(0) is False and not dali_primer.held()
+    assert dali_primer.reason() == f"{made} in {tmp_path}: the primer knows the C API of DALI 2.4 only"
+    start = time.perf_counter()
+    dali_primer.settle()
+    assert time.perf_counter() - start < 1
+
+
+@pytest.mark.dali
+def test_the_installed_dalis_version_is_read_without_importing_it() -> None:
+    out = _run(
+        """
+        import sys
+        from lit_imagenet.data import dali_primer
+        print(dali_primer.installed_version(dali_primer.library_folder()), "nvidia.dali" in sys.modules)
+        import nvidia.dali
+        print(nvidia.dali.__version__)
+        """
+    )
+    assert out[1] == "False" and out[0] == out[2]
+
+
 def _run(code: str) -> list[str]:
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=300

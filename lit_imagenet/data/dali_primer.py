@@ -12,14 +12,15 @@ interpreter go during each call, and the libraries' files are read before they a
 DALI's Python package is imported later, where it always was, when the data module picks its decoder.
 
 ``expect`` (in the launching thread), then ``make`` (in the warm-up thread) build it; the loader's first pipeline
-``settle`` s for it, then ``release`` s it, as does the end of the run. Any failure (no DALI, another version's C
-API, no such device) leaves no primer, and the loader builds as it would have without one.
+``settle`` s for it, then ``release`` s it, as does the end of the run. Any failure (no DALI, a DALI version other
+than those in ``KNOWN_VERSIONS``, no such device) leaves no primer, and the loader builds as it would have without one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import re
 import threading
 from pathlib import Path
 
@@ -30,6 +31,9 @@ _SUCCESS_CODES = (0, 1, 2)  # DALI_SUCCESS, DALI_NO_DATA, DALI_NOT_READY
 _STORAGE_CPU, _STORAGE_GPU = 0, 1
 _BACKEND_CPU, _BACKEND_MIXED = 0, 2
 _UINT8 = 0  # DALI_UINT8
+#: The DALI versions (major, minor) whose C API the structures below were written from (``dali/dali.h``). DALI's
+#: C API is young and may change its structures' layout; another version's gets no primer rather than a misread one.
+KNOWN_VERSIONS = ((2, 4),)
 #: Loaded in this order: the operators' library registers the operators and needs the others; ``libdali.so``
 #: holds the C API.
 _LIBRARIES = ("libdali_core.so", "libdali_kernels.so", "libdali.so", "libdali_operators.so")
@@ -97,8 +101,8 @@ class _Failed(Exception):
 
 
 class _Primer:
-    def __init__(self, api: ctypes.CDLL, handle: ctypes.c_void_p, device: int | None) -> None:
-        self.api, self.handle, self.device = api, handle, device
+    def __init__(self, api: ctypes.CDLL, handle: ctypes.c_void_p) -> None:
+        self.api, self.handle = api, handle
 
 
 _lock = threading.Lock()
@@ -119,6 +123,26 @@ def library_folder() -> Path | None:
         return None
     folder = Path(next(iter(spec.submodule_search_locations)))
     return folder if (folder / "libdali.so").is_file() else None
+
+
+def installed_version(folder: Path) -> str | None:
+    """The version of the DALI package in ``folder``, read from its ``__init__.py`` without importing it; ``None``
+    where that file does not say."""
+    try:
+        text = (folder / "__init__.py").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"""^__version__\s*=\s*['"]([^'"]+)['"]""", text, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def _check_version(folder: Path) -> None:
+    version = installed_version(folder)
+    numbers = re.match(r"(\d+)\.(\d+)", version or "")
+    if numbers is None or (int(numbers.group(1)), int(numbers.group(2))) not in KNOWN_VERSIONS:
+        known = ", ".join(f"{major}.{minor}" for major, minor in KNOWN_VERSIONS)
+        raise _Failed(f"NVIDIA DALI {version or 'of an unknown version'} in {folder}: the primer knows the C API of "
+                      f"DALI {known} only")  # fmt: skip
 
 
 def _read_ahead(path: Path, buffer: bytearray) -> None:
@@ -195,10 +219,11 @@ def make(device: int | None) -> bool:
         folder = library_folder()
         if folder is None:
             raise _Failed("NVIDIA DALI is not installed")
+        _check_version(folder)
         api = _load(folder)
         handle = _build(api, device)
         with _lock:
-            previous, _held = _held, _Primer(api, handle, device)
+            previous, _held = _held, _Primer(api, handle)
         _reason = None
         if previous is not None:
             previous.api.daliPipelineDestroy(previous.handle)
