@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
+import yaml
 from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -45,7 +44,6 @@ from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.compat import untested_version_warning
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
-from lit_imagenet.data.prescan import option_at, yaml_mapping
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
 from lit_imagenet.training.precision import AMPFlags, resolve_amp
@@ -57,16 +55,13 @@ def _trainer_defaults() -> dict[str, Any]:
         "default_root_dir": "runs",
         "max_epochs": 90,
         "logger": lazy_instance(RunLogger),
+        "callbacks": [EndLaunchedRanks()],
     }
 
 
 def _log_into_root_dir(trainer_config: Namespace | None) -> None:
-    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir``.
-
-    Lightning puts checkpoints in the logger's folder, so they follow too. Lightning's own default
-    logger does this by itself, but a logger given as a default (or in a config) is built before the
-    trainer and would write to its own default folder.
-    """
+    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (checkpoints follow the logger):
+    a logger given in a config is built before the trainer and would write to its own default folder."""
     if trainer_config is None:
         return
     loggers = trainer_config.get("logger")
@@ -92,13 +87,11 @@ LAUNCHED_RANKS_GRACE = 10.0
 
 
 def end_launched_ranks(trainer: Trainer, grace: float = LAUNCHED_RANKS_GRACE) -> int:
-    """Ends the processes that Lightning's launcher started for the other ranks of this node, where they outlive
-    ``grace`` seconds after rank 0's error; returns how many it ended.
+    """Ends the processes that Lightning's launcher started for the other ranks of this node where they outlive
+    ``grace`` seconds; returns how many it ended.
 
-    Lightning ends them itself on Ctrl-C only. After any other error of rank 0 they would wait for it, in their
-    next collective or, where rank 0 failed before they had met, in the rendezvous, until the process group's
-    timeout (30 min by default). Ranks that stop by themselves (on SIGTERM, on a run of non-finite losses) end
-    within the grace.
+    Lightning ends them itself on Ctrl-C only; after another error of rank 0 they would wait for it until the
+    process group's timeout (30 min by default).
     """
     procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
     deadline = time.monotonic() + grace
@@ -115,28 +108,28 @@ def end_launched_ranks(trainer: Trainer, grace: float = LAUNCHED_RANKS_GRACE) ->
     return len(left)
 
 
+class EndLaunchedRanks(pl.Callback):
+    """After an error of this rank (not Ctrl-C, which Lightning handles), ends the ranks it launched that are still
+    running ``LAUNCHED_RANKS_GRACE`` seconds later, saying how many."""
+
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            return
+        ended = end_launched_ranks(trainer)
+        if ended:
+            ranks = f"{ended} launched rank{'s' if ended > 1 else ''}"
+            line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
+            print(line, file=sys.stderr, flush=True)
+
+
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), for the links below.
         self._model_config: dict[str, Any] = {}
-        given = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs).arguments.get("args")
-        #: The subcommand the command line starts with, the only one whose parser is built; ``None``: all.
-        self._requested = requested_subcommand(sys.argv[1:] if given is None else given, self.subcommands())
         super().__init__(*args, **kwargs)
-
-    @override
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # Each subcommand's parser takes the signatures of every class again (a quarter of a second
-        # each on a fast core); a run needs only its own. Without one (--help), all four are built.
-        every = self.subcommands()
-        if self._requested is not None:
-            self.subcommands = lambda: {self._requested: every[self._requested]}  # type: ignore[method-assign]
-        try:
-            super()._add_subcommands(parser, **kwargs)
-        finally:
-            self.__dict__.pop("subcommands", None)
 
     def _from_data_or_model(self, key: str) -> Any:
         """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
@@ -184,18 +177,6 @@ class ImageNetCLI(LightningCLI):
         prefetch = self._section(self.config_init).get("prefetch")
         if isinstance(prefetch, CUDAPrefetch) and isinstance(self.model, ImageClassifier):
             self.model.prefetch = prefetch
-
-    @override
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException:
-            ended = end_launched_ranks(self.trainer)
-            if ended:
-                ranks = f"{ended} launched rank{'s' if ended > 1 else ''}"
-                line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
-                print(line, file=sys.stderr, flush=True)
-            raise
 
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -354,74 +335,48 @@ _LINKED = {
 }
 
 
-def uncompiled_imports_warning(package: str = "torch") -> str | None:
-    """The warning line for a start that compiles ``package``'s Python source again, or ``None``.
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):  # a name too long, a null byte: a YAML string, not a file
+        return False
 
-    Python keeps each module's compiled bytecode beside its source (or under ``PYTHONPYCACHEPREFIX``).
-    Where an installer left none (uv, for one, does not compile by default) and Python may not write
-    it (``PYTHONDONTWRITEBYTECODE``, ``python -B``, a read-only folder), every start compiles each
-    imported module of torch, Lightning and their dependencies again: seconds at each launch and
-    restart. Checked after ``package`` was imported, when Python would have written its bytecode if it could.
 
-    Args:
-        package: The installed package whose ``__init__.py`` is checked.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+def _yaml_mapping(value: str) -> dict[str, Any] | None:
+    """The mapping in a YAML file named ``value``, or in ``value`` itself; ``None`` if it holds none."""
+    try:
+        loaded = yaml.safe_load(Path(value).read_text() if _is_file(value) else value)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
-    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
-        return None
-    folder = os.path.dirname(os.path.dirname(spec.origin))
-    why = (
-        "writing it is turned off (PYTHONDONTWRITEBYTECODE or python -B)"
-        if sys.dont_write_bytecode
-        else "Python could not write it there"
-    )
-    return (
-        f"warning: every start compiles the Python source of the packages in {folder} again: they hold no "
-        f"bytecode and {why}; compile it once with: {sys.executable} -m compileall -q -j 0 {folder}"
-    )
-
-
-def requested_subcommand(args: Any, subcommands: Iterable[str]) -> str | None:
-    """The subcommand that a command line starts with (``fit`` in ``fit --config x.yaml``), else ``None``.
-
-    Only the first argument counts: a later one may be an option's value.
-
-    Args:
-        args: The command line after the program's name (a list), or a config as a mapping.
-        subcommands: The subcommands' names.
-    """
-    if isinstance(args, (list, tuple)) and args and isinstance(args[0], str) and args[0] in set(subcommands):
-        return args[0]
-    return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value given to a model argument that the data sets, or ``None`` if none is given.
-
-    Such a value would be lost: jsonargparse drops a link's target from a config file without a word,
-    and names the link in an error given on the command line.
+    """The sentence for a value given to a model argument that the data sets (jsonargparse would drop one given
+    in a config file without a word), or ``None``.
 
     Args:
         args: The command line after the program's name.
     """
-    for i in range(len(args)):
-        key, given, _ = option_at(args, i)
-        value = given or ""
-        where: dict[str, Any] | None = None
-        if key.startswith("--model.") and key[len("--model.") :] in _LINKED:
-            name = key[len("--model.") :]
+    for i, arg in enumerate(args):
+        key, equals, value = arg.partition("=")
+        if key.startswith("-c") and not key.startswith("--") and len(key) > 2:  # -cFILE
+            key, value = "-c", arg[2:]
+        elif not equals:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        name = key.removeprefix("--model.")
+        if name in _LINKED and key != name:
             return f"--model.{name} is set from {_LINKED[name]}."
         if key in ("--config", "-c"):
-            where = (yaml_mapping(value) or {}).get("model")
+            where = (_yaml_mapping(value) or {}).get("model")
         elif key == "--model":
-            where = yaml_mapping(value)
-        if isinstance(where, dict):
-            for name in _LINKED:
-                if name in where:
-                    source = value if Path(value).is_file() else "the config given"
-                    return f"model.{name} in {source} is set from {_LINKED[name]}."
+            where = _yaml_mapping(value)
+        else:
+            continue
+        for name in _LINKED:
+            if isinstance(where, dict) and name in where:
+                source = value if _is_file(value) else "the config given"
+                return f"model.{name} in {source} is set from {_LINKED[name]}."
     return None
 
 
@@ -440,9 +395,6 @@ def main(
     if warning is not None:
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)
     if run:
-        uncompiled = uncompiled_imports_warning()
-        if uncompiled is not None:
-            rank_zero_only(print)(uncompiled, file=sys.stderr, flush=True)
         catch_requeue_signal()
         problem = torchrun_restart_problem()
         if problem and os.environ.get("RANK", "0") == "0":

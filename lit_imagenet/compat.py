@@ -1,18 +1,9 @@
 """Every private attribute of Lightning (and torchmetrics, torch) that the package reads, each behind one function.
 
-Some things the package needs have no public API: whether Lightning writes its step logs after
-the current batch, the step it writes them at, whether the batch only accumulates gradients, the
-last file a ``ModelCheckpoint`` wrote, how to stop a ``DataLoader`` iterator's workers. They are
-read here and nowhere else, so that an upgrade that renames one breaks one function, and
-``tests/test_compat.py`` says which. A missing attribute raises ``LightningCompatError`` naming it
-and the installed and tested versions.
-
-A subclass that overrides a private hook (``DDPStrategy._setup_model``) marks it with
-``overrides_private``, and the tests check that the hook still exists: a hook that Lightning no
-longer calls would make the override do nothing, silently.
-
-``setup.cfg`` allows the pytorch-lightning minor versions in ``TESTED_VERSIONS``; on any other,
-the command line starts with one warning line (``untested_version_warning``).
+A missing attribute raises ``LightningCompatError`` naming it and the installed and tested versions;
+``tests/test_compat.py`` reads each from the installed version. A subclass that overrides a private hook
+marks it with ``overrides_private``, and the tests check that the hook still exists. ``setup.cfg`` allows
+the pytorch-lightning minor versions in ``TESTED_VERSIONS``; on another, the command line warns once.
 """
 
 from __future__ import annotations
@@ -219,10 +210,3 @@ def user_inductor_cache_dir() -> str | None:
         utils = None  # named by the error below
     default = _private(utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
     return None if os.path.abspath(value) == os.path.abspath(default) else value
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """Graphs this process has compiled so far: found in inductor's caches (``hits``) and compiled anew (``misses``)."""
-    utils: Any = importlib.import_module("torch._dynamo.utils")
-    inductor = _private(utils, "counters", "torch._dynamo.utils", "torch")["inductor"]
-    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"])}
