@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
@@ -86,39 +87,26 @@ def _names_class(class_path: Any, cls: type) -> bool:
 LAUNCHED_RANKS_GRACE = 10.0
 
 
-def end_launched_ranks(trainer: Trainer, grace: float = LAUNCHED_RANKS_GRACE) -> int:
-    """Ends the processes that Lightning's launcher started for the other ranks of this node where they outlive
-    ``grace`` seconds; returns how many it ended.
-
-    Lightning ends them itself on Ctrl-C only; after another error of rank 0 they would wait for it until the
-    process group's timeout (30 min by default).
-    """
-    procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    left = [proc for proc in procs if proc.poll() is None]
-    for proc in left:
-        proc.kill()
-    for proc in left:
-        proc.wait()
-    return len(left)
-
-
 class EndLaunchedRanks(pl.Callback):
-    """After an error of this rank (not Ctrl-C, which Lightning handles), ends the ranks it launched that are still
-    running ``LAUNCHED_RANKS_GRACE`` seconds later, saying how many."""
+    """After an error of this rank, ends the ranks that Lightning's launcher started on this node and that still run
+    ``LAUNCHED_RANKS_GRACE`` seconds later: Lightning ends them on Ctrl-C only, and otherwise they would wait for
+    this rank until the process group's timeout (30 min by default)."""
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt):
             return
-        ended = end_launched_ranks(trainer)
-        if ended:
-            ranks = f"{ended} launched rank{'s' if ended > 1 else ''}"
+        procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+        deadline = time.monotonic() + LAUNCHED_RANKS_GRACE
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        left = [proc for proc in procs if proc.poll() is None]
+        for proc in left:
+            proc.kill()
+            proc.wait()
+        if left:
+            ranks = f"{len(left)} launched rank{'s' if len(left) > 1 else ''}"
             line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
             print(line, file=sys.stderr, flush=True)
 
@@ -193,9 +181,8 @@ class ImageNetCLI(LightningCLI):
     def before_predict(self) -> None:
         config = self.config_init[self.subcommand]
         if config.get("return_predictions") is None:
-            # The PredictionWriter writes every batch's top classes as it goes; Lightning would also
-            # keep each batch's full probabilities in host memory until the end (4 GB for a million
-            # images of 1,000 classes). --return_predictions true brings that back.
+            # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
+            # in host memory until the end. --return_predictions true brings that back.
             config["return_predictions"] = False
 
     def before_fit(self) -> None:
@@ -233,10 +220,8 @@ class ImageNetCLI(LightningCLI):
         ):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
         if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
-            # The checkpoint's state replaces every weight, so the initial weights (possibly a file
-            # of the machine it was trained on) are not loaded again. With "last" there may be no
-            # checkpoint yet (the first launch of a job that resumes itself): the run then starts
-            # from the weights, so they are kept.
+            # The checkpoint replaces every weight: the initial weights (maybe a file of another machine) are
+            # not loaded. With "last" there may be no checkpoint yet (a job's first launch): they are kept.
             config.model.weights = None
 
     def after_fit(self) -> None:
@@ -257,16 +242,12 @@ class ImageNetCLI(LightningCLI):
 
 def _process_count(trainer_config: dict[str, Any]) -> int:
     devices = trainer_config.get("devices", "auto")
+    if isinstance(devices, str) and "," in devices:  # "0,1" or "1,": the GPUs listed, as Lightning reads it
+        devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, (list, tuple)):
         count = len(devices)
-    elif isinstance(devices, str) and "," in devices:  # "0,1" or "1,": the GPUs listed, as Lightning reads it
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        count = int(devices)
-    elif isinstance(devices, int):
-        count = devices
     else:
-        count = -1
+        count = int(devices) if str(devices).strip().lstrip("-").isdigit() else -1
     if count == -1:
         count = max(1, torch.cuda.device_count())
     return count * int(trainer_config.get("num_nodes", 1) or 1)
@@ -352,8 +333,8 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value given to a model argument that the data sets (jsonargparse would drop one given
-    in a config file without a word), or ``None``.
+    """The sentence for a value given to a model argument that the data sets, or ``None``: jsonargparse would drop
+    one given in a config file without a word.
 
     Args:
         args: The command line after the program's name.
@@ -364,19 +345,14 @@ def linked_model_argument(args: list[str]) -> str | None:
             key, value = "-c", arg[2:]
         elif not equals:
             value = args[i + 1] if i + 1 < len(args) else ""
-        name = key.removeprefix("--model.")
-        if name in _LINKED and key != name:
-            return f"--model.{name} is set from {_LINKED[name]}."
-        if key in ("--config", "-c"):
-            where = (_yaml_mapping(value) or {}).get("model")
-        elif key == "--model":
-            where = _yaml_mapping(value)
-        else:
-            continue
-        for name in _LINKED:
-            if isinstance(where, dict) and name in where:
-                source = value if _is_file(value) else "the config given"
-                return f"model.{name} in {source} is set from {_LINKED[name]}."
+        if key.startswith("--model.") and key.removeprefix("--model.") in _LINKED:
+            return f"{key} is set from {_LINKED[key.removeprefix('--model.')]}."
+        given = _yaml_mapping(value) if key in ("--config", "-c", "--model") else None
+        model = given if key == "--model" else (given or {}).get("model")
+        linked = [name for name in _LINKED if isinstance(model, dict) and name in model]
+        if linked:
+            source = value if _is_file(value) else "the config given"
+            return f"model.{linked[0]} in {source} is set from {_LINKED[linked[0]]}."
     return None
 
 
@@ -400,34 +376,23 @@ def main(
         if problem and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
-        cli = ImageNetCLI(
-            ImageClassifier,
-            datamodule_class,
-            trainer_defaults=_trainer_defaults(),
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            run=run,
-        )
-        return cli
+        defaults, config = _trainer_defaults(), {"overwrite": True}
+        return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults, save_config_kwargs=config,
+                           args=args, run=run)  # fmt: skip
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RequeueSignal:
         sys.exit(requeue_slurm_job())
     except SIGTERMException:
-        # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
-        # wrapper script or scheduler that the run did not finish.
+        # StepCheckpoint has saved; 128 + SIGTERM tells a wrapper script or scheduler that the run did not finish.
         print("Stopped by SIGTERM; resume with --ckpt_path last.", file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM)
-    except CheckpointWriteError as err:
-        print(f"error: {err.strerror}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except (CheckpointWriteError, NonFiniteLossError) as err:
+        print(f"error: {err.strerror if isinstance(err, CheckpointWriteError) else err}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         if run and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter shutdown, the process group's threads can abort the process
-            # ("terminate called without an active exception"), whether the run finished or stopped,
-            # and the exit status would no longer say which.
+            # Left to interpreter shutdown, the process group's threads can abort the process, and the exit
+            # status would no longer say whether the run finished.
             torch.distributed.destroy_process_group()
