@@ -5,10 +5,8 @@ The package's folders are its layers, each importing only from those below it
 
     cli, export        the command lines: train.py, python -m lit_imagenet.export
     callbacks/         what watches and keeps a run: checkpoints, pre-emption, guard, console, logs
-    training/          the LightningModule and its parts: network, metrics, optimizer, schedule,
-                       precision plugins, DDP strategies
-    data/              from the folder to the batch: the scan and its index, decoding, crops,
-                       samplers, datasets, nvJPEG, DALI, the prefetcher, the DataModule
+    training/          the LightningModule and its parts: network, metrics, optimizer, schedule, precision, DDP
+    data/              from the folder to the batch: the index, decoders, crops, samplers, DALI, the prefetcher
     compat, errors     private attributes of Lightning and torch; the user's errors
 
 From Python, the pieces the command line puts together::
@@ -20,34 +18,17 @@ From Python, the pieces the command line puts together::
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callbacks
-    from lit_imagenet.callbacks.console import LearningRateLog, Throughput
-    from lit_imagenet.data.datamodule import ImageFolderDataModule
-    from lit_imagenet.data.prefetch import CUDAPrefetch
-    from lit_imagenet.data.synthetic import make_shapes
-    from lit_imagenet.errors import ConfigError, DataError, UserError
-    from lit_imagenet.training.module import ImageClassifier
+from lit_imagenet.callbacks import PredictionWriter, RunLogger, default_callbacks
+from lit_imagenet.callbacks.console import LearningRateLog, Throughput
+from lit_imagenet.data.datamodule import ImageFolderDataModule
+from lit_imagenet.data.prefetch import CUDAPrefetch
+from lit_imagenet.errors import ConfigError, DataError, UserError
+from lit_imagenet.training.module import ImageClassifier
 
-# Each public name's module, imported when the name is first used: ``python -m lit_imagenet.data.synthetic``
-# then runs a module that the package has not imported already.
-_PUBLIC = {
-    "CUDAPrefetch": "data.prefetch",
-    "ConfigError": "errors",
-    "DataError": "errors",
-    "ImageClassifier": "training.module",
-    "ImageFolderDataModule": "data.datamodule",
-    "LearningRateLog": "callbacks.console",
-    "PredictionWriter": "callbacks",
-    "RunLogger": "callbacks",
-    "Throughput": "callbacks.console",
-    "UserError": "errors",
-    "default_callbacks": "callbacks",
-    "make_shapes": "data.synthetic",
-}
+if TYPE_CHECKING:
+    from lit_imagenet.data.synthetic import make_shapes
 
 __all__ = [
     "CUDAPrefetch",
@@ -66,6 +47,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    # Imported on first use: ``python -m lit_imagenet.data.synthetic`` runs that module, which must not be loaded yet.
+    if name == "make_shapes":
+        from lit_imagenet.data.synthetic import make_shapes
+
+        return make_shapes
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

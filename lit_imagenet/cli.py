@@ -51,15 +51,6 @@ from lit_imagenet.training.precision import AMPFlags, resolve_amp
 from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers ddp_default_stream and ddp_apex
 
 
-def _trainer_defaults() -> dict[str, Any]:
-    return {
-        "default_root_dir": "runs",
-        "max_epochs": 90,
-        "logger": lazy_instance(RunLogger),
-        "callbacks": [EndLaunchedRanks()],
-    }
-
-
 def _log_into_root_dir(trainer_config: Namespace | None) -> None:
     """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (checkpoints follow the logger):
     a logger given in a config is built before the trainer and would write to its own default folder."""
@@ -88,9 +79,8 @@ LAUNCHED_RANKS_GRACE = 10.0
 
 
 class EndLaunchedRanks(pl.Callback):
-    """After an error of this rank, ends the ranks that Lightning's launcher started on this node and that still run
-    ``LAUNCHED_RANKS_GRACE`` seconds later: Lightning ends them on Ctrl-C only, and otherwise they would wait for
-    this rank until the process group's timeout (30 min by default)."""
+    """After an error of this rank, ends the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
+    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min)."""
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -114,18 +104,12 @@ class EndLaunchedRanks(pl.Callback):
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), for the links below.
-        self._model_config: dict[str, Any] = {}
-        super().__init__(*args, **kwargs)
+    #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), set for each parse.
+    _model_config: dict[str, Any]
 
     def _from_data_or_model(self, key: str) -> Any:
         """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
-
-        def compute(value: Any) -> Any:
-            return value if value else self._model_config.get(key)
-
-        return compute
+        return lambda value: value if value else self._model_config.get(key)
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -186,8 +170,7 @@ class ImageNetCLI(LightningCLI):
             config["return_predictions"] = False
 
     def before_fit(self) -> None:
-        # Each run logs into a new version folder, where Lightning's own "last" would find nothing:
-        # look in every version under the run's folders instead.
+        # Each run logs into a new version folder, where Lightning's "last" finds nothing: look in every version.
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") != "last":
             return
@@ -212,12 +195,8 @@ class ImageNetCLI(LightningCLI):
         config = self._section(self.config)
         _log_into_root_dir(config.get("trainer"))
         self._model_config = dict(config.get("model") or {})
-        if (
-            config.get("data") is not None
-            and "root" in config.data
-            and config.data.get("root") is None
-            and not self._model_config.get("num_classes")
-        ):
+        data = config.get("data")
+        if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
         if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
             # The checkpoint replaces every weight: the initial weights (maybe a file of another machine) are
@@ -289,12 +268,10 @@ def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[s
 
 def _check_bf16(trainer_config: dict[str, Any]) -> None:
     precision = str(trainer_config.get("precision"))
-    if precision.startswith("bf16") and _device_type(trainer_config) == "cuda" and torch.cuda.is_available():
-        if not torch.cuda.is_bf16_supported():
-            name = torch.cuda.get_device_name()
-            raise ConfigError(
-                f"{name} cannot compute in bfloat16; use --trainer.precision 16-mixed instead of {precision}."
-            )
+    cuda = _device_type(trainer_config) == "cuda" and torch.cuda.is_available()
+    if precision.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
+        name, instead = torch.cuda.get_device_name(), f"use --trainer.precision 16-mixed instead of {precision}"
+        raise ConfigError(f"{name} cannot compute in bfloat16; {instead}.")
 
 
 def _user_message(err: BaseException) -> str:
@@ -333,12 +310,8 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value given to a model argument that the data sets, or ``None``: jsonargparse would drop
-    one given in a config file without a word.
-
-    Args:
-        args: The command line after the program's name.
-    """
+    """The sentence for a value that the command line ``args`` (without the program's name) give to a model argument
+    that the data sets, or ``None``: jsonargparse would drop one given in a config file without a word."""
     for i, arg in enumerate(args):
         key, equals, value = arg.partition("=")
         if key.startswith("-c") and not key.startswith("--") and len(key) > 2:  # -cFILE
@@ -376,9 +349,10 @@ def main(
         if problem and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
-        defaults, config = _trainer_defaults(), {"overwrite": True}
-        return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults, save_config_kwargs=config,
-                           args=args, run=run)  # fmt: skip
+        defaults = {"default_root_dir": "runs", "max_epochs": 90, "logger": lazy_instance(RunLogger),
+                    "callbacks": [EndLaunchedRanks()]}  # fmt: skip
+        return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults,
+                           save_config_kwargs={"overwrite": True}, args=args, run=run)  # fmt: skip
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)

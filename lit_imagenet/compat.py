@@ -1,9 +1,7 @@
 """Every private attribute of Lightning (and torchmetrics, torch) that the package reads, each behind one function.
 
-A missing attribute raises ``LightningCompatError`` naming it and the installed and tested versions;
-``tests/test_compat.py`` reads each from the installed version. A subclass that overrides a private hook
-marks it with ``overrides_private``, and the tests check that the hook still exists. ``setup.cfg`` allows
-the pytorch-lightning minor versions in ``TESTED_VERSIONS``; on another, the command line warns once.
+A missing one raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each. An
+override of a private hook is marked with ``overrides_private``, and the tests check that the hook still exists.
 """
 
 from __future__ import annotations

@@ -41,11 +41,10 @@ class ImageClassifier(pl.LightningModule):
     Args:
         arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
         num_classes: Number of classes; the command line takes it from the data.
-        weights: Initial weights: ``None`` (random), a torchvision weights name such as
-            ``IMAGENET1K_V2``, or the path of a state dict or checkpoint. The classifier head is
-            replaced when its number of classes differs.
-        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``, where
-            the global batch is batch size x processes x gradient accumulation.
+        weights: Initial weights: ``None`` (random), a torchvision weights name such as ``IMAGENET1K_V2``, or the
+            path of a state dict or checkpoint; a head of another number of classes is replaced.
+        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256`` (batch size x processes x
+            gradient accumulation).
         momentum: SGD momentum.
         weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
         warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
@@ -57,19 +56,16 @@ class ImageClassifier(pl.LightningModule):
             of the network gets no gradients and its batchnorm layers keep their running statistics.
             Under DDP this needs ``--trainer.strategy ddp_find_unused_parameters_true``.
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
-        channels_last: Keep the network in channels_last memory format. ``None``: on when the run
-            uses a CUDA device.
-        class_names: Class names in label order; the command line takes them from the data and
-            they are stored in checkpoints.
+        channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
+        class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
         compile: Compile the network in place with ``torch.compile`` (checkpoints keep the plain network's
             parameter names), with static shapes. ``false``: eager. ``true`` (or ``default``): compiled.
             ``cudagraphs``: compiled and replayed as CUDA graphs (``reduce-overhead``); one process on CUDA
             without gradient accumulation, else ``default``. ``auto``: ``default`` on CUDA, eager elsewhere.
             With apex AMP the network runs eager. The compiler's caches go to ``compile_cache`` under the
             run's root unless ``TORCHINDUCTOR_CACHE_DIR`` is set; the first step's time is logged.
-        fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
-            same pass. ``None``: on when the parameters are on a CUDA device and the precision is
-            Lightning's own (not apex AMP, which manages the optimizer itself).
+        fused_optimizer: Use the fused CUDA SGD kernel (it also unscales float16 gradients). ``None``: on when the
+            parameters are on a CUDA device and the precision is not apex AMP's, which manages the optimizer.
     """
 
     def __init__(
@@ -107,8 +103,7 @@ class ImageClassifier(pl.LightningModule):
         self.head_name = models.classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
         self.criterion = nn.CrossEntropyLoss()
-        # No per-step host-device synchronisation in training: no label checks, no NaN check of the
-        # loss (NonFiniteGuard watches it on the device); validation keeps both.
+        # No host sync per training step: no label check, no NaN check (NonFiniteGuard watches the loss on the device).
         self.train_metrics = train_accuracy_metrics(num_classes, "train/")
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
@@ -141,9 +136,7 @@ class ImageClassifier(pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         use = self.hparams.channels_last
-        if use is None:
-            use = self.trainer.strategy.root_device.type == "cuda"
-        if use:
+        if use or use is None and self.trainer.strategy.root_device.type == "cuda":
             self.model.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
             self._compile()
@@ -180,17 +173,11 @@ class ImageClassifier(pl.LightningModule):
             return asked, None
         if device.type != "cuda":
             return "default", "CUDA graphs need a CUDA device"
-        if trainer is None:
-            return "cudagraphs", None
-        if trainer.world_size > 1:
+        if trainer is not None and trainer.world_size > 1:
             return "default", f"CUDA graphs are used on one process only; this run has {trainer.world_size}"
-        if trainer.accumulate_grad_batches > 1:
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
             return "default", "gradients accumulated over the replays of one graph would be overwritten"
         return "cudagraphs", None
-
-    def head_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the classifier head (the network's final ``nn.Linear``)."""
-        return models.head_parameters(self.model, self.head_name)
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Parameters of the network but its classifier head."""
@@ -218,16 +205,12 @@ class ImageClassifier(pl.LightningModule):
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
         """The prefetcher's callback, ``self.prefetch``; a ``CUDAPrefetch`` given to the Trainer takes its place."""
-        if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks):
-            return []
-        return [self.prefetch]
+        return [] if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks) else [self.prefetch]
 
     def _logs_this_step(self, batch_idx: int) -> bool:
         """Whether Lightning writes the step metrics after this batch, or it ends the epoch or the run."""
         trainer = self.trainer
-        if writes_log_line(trainer):
-            return True
-        if 0 < trainer.max_steps <= trainer.global_step + 1:
+        if writes_log_line(trainer) or 0 < trainer.max_steps <= trainer.global_step + 1:
             return True
         batches = trainer.num_training_batches
         return not math.isinf(batches) and batch_idx + 1 >= batches
@@ -303,25 +286,15 @@ class ImageClassifier(pl.LightningModule):
         probs = torch.softmax(self(batch[0]).float(), dim=1)
         return {"probs": probs, "index": batch[1]}
 
-    def global_batch_size(self) -> int:
-        """Images per optimizer step over all processes: batch x processes x gradient accumulation."""
-        return optim.global_batch_size(self.trainer)
-
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch of the training loader (as limited by the trainer)."""
-        return optim.steps_per_epoch(self.trainer)
-
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        # The rates depend on the training loader (batch size, length), which is not asked for here:
-        # loading it this early would draw its first batches before a checkpoint's loop state is
-        # restored, and a resumed run would restart its epoch. ``on_train_start`` sets them.
+        # The rates depend on the training loader, which loaded this early would draw batches before a checkpoint's
+        # loop state is restored (a resumed run would restart its epoch): ``on_train_start`` sets them.
         hp = self.hparams
         fused = bool(self._sgd_implementation().get("fused"))
-        optimizer = optim.build_sgd(
-            self.head_parameters(), self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
-            hp.weight_decay, fused,
-        )  # fmt: skip
+        head = models.head_parameters(self.model, self.head_name)
+        optimizer = optim.build_sgd(head, self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
+                                    hp.weight_decay, fused)  # fmt: skip
         # LambdaLR scales both groups alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -350,9 +323,8 @@ class ImageClassifier(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
-        global_batch = self.global_batch_size()
+        global_batch, steps = optim.global_batch_size(self.trainer), optim.steps_per_epoch(self.trainer)
         base_lr = scaled_lr(self.hparams.lr, global_batch)
-        steps = self.steps_per_epoch()
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
             self._move_schedule(scheduler, grid, global_batch, steps)
@@ -390,9 +362,9 @@ class ImageClassifier(pl.LightningModule):
         if attached_trainer(self) is not None and self.trainer.training:
             # A run resumed with another global batch places its schedule by these (on_train_start).
             checkpoint["schedule_grid"] = {
-                "global_batch": self.global_batch_size(),
+                "global_batch": optim.global_batch_size(self.trainer),
                 "world_size": self.trainer.world_size,
-                "steps_per_epoch": self.steps_per_epoch(),
+                "steps_per_epoch": optim.steps_per_epoch(self.trainer),
             }
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
