@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import importlib.util
-import inspect
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
+import yaml
 from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -45,28 +45,15 @@ from lit_imagenet.callbacks.profiling import Profile
 from lit_imagenet.compat import untested_version_warning
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
-from lit_imagenet.data.prescan import option_at, yaml_mapping
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
 from lit_imagenet.training.precision import AMPFlags, resolve_amp
 from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers ddp_default_stream and ddp_apex
 
 
-def _trainer_defaults() -> dict[str, Any]:
-    return {
-        "default_root_dir": "runs",
-        "max_epochs": 90,
-        "logger": lazy_instance(RunLogger),
-    }
-
-
 def _log_into_root_dir(trainer_config: Namespace | None) -> None:
-    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir``.
-
-    Lightning puts checkpoints in the logger's folder, so they follow too. Lightning's own default
-    logger does this by itself, but a logger given as a default (or in a config) is built before the
-    trainer and would write to its own default folder.
-    """
+    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (checkpoints follow the logger):
+    a logger given in a config is built before the trainer and would write to its own default folder."""
     if trainer_config is None:
         return
     loggers = trainer_config.get("logger")
@@ -91,60 +78,38 @@ def _names_class(class_path: Any, cls: type) -> bool:
 LAUNCHED_RANKS_GRACE = 10.0
 
 
-def end_launched_ranks(trainer: Trainer, grace: float = LAUNCHED_RANKS_GRACE) -> int:
-    """Ends the processes that Lightning's launcher started for the other ranks of this node, where they outlive
-    ``grace`` seconds after rank 0's error; returns how many it ended.
+class EndLaunchedRanks(pl.Callback):
+    """After an error of this rank, ends the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
+    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min)."""
 
-    Lightning ends them itself on Ctrl-C only. After any other error of rank 0 they would wait for it, in their
-    next collective or, where rank 0 failed before they had met, in the rendezvous, until the process group's
-    timeout (30 min by default). Ranks that stop by themselves (on SIGTERM, on a run of non-finite losses) end
-    within the grace.
-    """
-    procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    left = [proc for proc in procs if proc.poll() is None]
-    for proc in left:
-        proc.kill()
-    for proc in left:
-        proc.wait()
-    return len(left)
+    @override
+    def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            return
+        procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+        deadline = time.monotonic() + LAUNCHED_RANKS_GRACE
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        left = [proc for proc in procs if proc.poll() is None]
+        for proc in left:
+            proc.kill()
+            proc.wait()
+        if left:
+            ranks = f"{len(left)} launched rank{'s' if len(left) > 1 else ''}"
+            line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
+            print(line, file=sys.stderr, flush=True)
 
 
 class ImageNetCLI(LightningCLI):
     """LightningCLI for ``ImageClassifier`` on an ``ImageFolderDataModule``; the data sets the classes."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), for the links below.
-        self._model_config: dict[str, Any] = {}
-        given = inspect.signature(LightningCLI.__init__).bind(self, *args, **kwargs).arguments.get("args")
-        #: The subcommand the command line starts with, the only one whose parser is built; ``None``: all.
-        self._requested = requested_subcommand(sys.argv[1:] if given is None else given, self.subcommands())
-        super().__init__(*args, **kwargs)
-
-    @override
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # Each subcommand's parser takes the signatures of every class again (a quarter of a second
-        # each on a fast core); a run needs only its own. Without one (--help), all four are built.
-        every = self.subcommands()
-        if self._requested is not None:
-            self.subcommands = lambda: {self._requested: every[self._requested]}  # type: ignore[method-assign]
-        try:
-            super()._add_subcommands(parser, **kwargs)
-        finally:
-            self.__dict__.pop("subcommands", None)
+    #: The model's config as given (a checkpoint's hyperparameters with --ckpt_path), set for each parse.
+    _model_config: dict[str, Any]
 
     def _from_data_or_model(self, key: str) -> Any:
         """Links data -> model that keep the model's own value (the checkpoint's) when the data has none."""
-
-        def compute(value: Any) -> Any:
-            return value if value else self._model_config.get(key)
-
-        return compute
+        return lambda value: value if value else self._model_config.get(key)
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -186,18 +151,6 @@ class ImageNetCLI(LightningCLI):
             self.model.prefetch = prefetch
 
     @override
-    def _run_subcommand(self, subcommand: str) -> None:
-        try:
-            super()._run_subcommand(subcommand)
-        except BaseException:
-            ended = end_launched_ranks(self.trainer)
-            if ended:
-                ranks = f"{ended} launched rank{'s' if ended > 1 else ''}"
-                line = f"Ended {ranks} still running {LAUNCHED_RANKS_GRACE:.0f} s after this rank's error."
-                print(line, file=sys.stderr, flush=True)
-            raise
-
-    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
         trainer_config = dict(config.get("trainer") or {})
@@ -212,14 +165,12 @@ class ImageNetCLI(LightningCLI):
     def before_predict(self) -> None:
         config = self.config_init[self.subcommand]
         if config.get("return_predictions") is None:
-            # The PredictionWriter writes every batch's top classes as it goes; Lightning would also
-            # keep each batch's full probabilities in host memory until the end (4 GB for a million
-            # images of 1,000 classes). --return_predictions true brings that back.
+            # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
+            # in host memory until the end. --return_predictions true brings that back.
             config["return_predictions"] = False
 
     def before_fit(self) -> None:
-        # Each run logs into a new version folder, where Lightning's own "last" would find nothing:
-        # look in every version under the run's folders instead.
+        # Each run logs into a new version folder, where Lightning's "last" finds nothing: look in every version.
         config = self.config_init[self.subcommand]
         if config.get("ckpt_path") != "last":
             return
@@ -244,18 +195,12 @@ class ImageNetCLI(LightningCLI):
         config = self._section(self.config)
         _log_into_root_dir(config.get("trainer"))
         self._model_config = dict(config.get("model") or {})
-        if (
-            config.get("data") is not None
-            and "root" in config.data
-            and config.data.get("root") is None
-            and not self._model_config.get("num_classes")
-        ):
+        data = config.get("data")
+        if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
         if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
-            # The checkpoint's state replaces every weight, so the initial weights (possibly a file
-            # of the machine it was trained on) are not loaded again. With "last" there may be no
-            # checkpoint yet (the first launch of a job that resumes itself): the run then starts
-            # from the weights, so they are kept.
+            # The checkpoint replaces every weight: the initial weights (maybe a file of another machine) are
+            # not loaded. With "last" there may be no checkpoint yet (a job's first launch): they are kept.
             config.model.weights = None
 
     def after_fit(self) -> None:
@@ -276,16 +221,12 @@ class ImageNetCLI(LightningCLI):
 
 def _process_count(trainer_config: dict[str, Any]) -> int:
     devices = trainer_config.get("devices", "auto")
+    if isinstance(devices, str) and "," in devices:  # "0,1" or "1,": the GPUs listed, as Lightning reads it
+        devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, (list, tuple)):
         count = len(devices)
-    elif isinstance(devices, str) and "," in devices:  # "0,1" or "1,": the GPUs listed, as Lightning reads it
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        count = int(devices)
-    elif isinstance(devices, int):
-        count = devices
     else:
-        count = -1
+        count = int(devices) if str(devices).strip().lstrip("-").isdigit() else -1
     if count == -1:
         count = max(1, torch.cuda.device_count())
     return count * int(trainer_config.get("num_nodes", 1) or 1)
@@ -327,12 +268,10 @@ def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[s
 
 def _check_bf16(trainer_config: dict[str, Any]) -> None:
     precision = str(trainer_config.get("precision"))
-    if precision.startswith("bf16") and _device_type(trainer_config) == "cuda" and torch.cuda.is_available():
-        if not torch.cuda.is_bf16_supported():
-            name = torch.cuda.get_device_name()
-            raise ConfigError(
-                f"{name} cannot compute in bfloat16; use --trainer.precision 16-mixed instead of {precision}."
-            )
+    cuda = _device_type(trainer_config) == "cuda" and torch.cuda.is_available()
+    if precision.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
+        name, instead = torch.cuda.get_device_name(), f"use --trainer.precision 16-mixed instead of {precision}"
+        raise ConfigError(f"{name} cannot compute in bfloat16; {instead}.")
 
 
 def _user_message(err: BaseException) -> str:
@@ -354,74 +293,39 @@ _LINKED = {
 }
 
 
-def uncompiled_imports_warning(package: str = "torch") -> str | None:
-    """The warning line for a start that compiles ``package``'s Python source again, or ``None``.
+def _is_file(value: str) -> bool:
+    try:
+        return Path(value).is_file()
+    except (OSError, ValueError):  # a name too long, a null byte: a YAML string, not a file
+        return False
 
-    Python keeps each module's compiled bytecode beside its source (or under ``PYTHONPYCACHEPREFIX``).
-    Where an installer left none (uv, for one, does not compile by default) and Python may not write
-    it (``PYTHONDONTWRITEBYTECODE``, ``python -B``, a read-only folder), every start compiles each
-    imported module of torch, Lightning and their dependencies again: seconds at each launch and
-    restart. Checked after ``package`` was imported, when Python would have written its bytecode if it could.
 
-    Args:
-        package: The installed package whose ``__init__.py`` is checked.
-    """
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+def _yaml_mapping(value: str) -> dict[str, Any] | None:
+    """The mapping in a YAML file named ``value``, or in ``value`` itself; ``None`` if it holds none."""
+    try:
+        loaded = yaml.safe_load(Path(value).read_text() if _is_file(value) else value)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
-    if os.path.exists(importlib.util.cache_from_source(spec.origin)):
-        return None
-    folder = os.path.dirname(os.path.dirname(spec.origin))
-    why = (
-        "writing it is turned off (PYTHONDONTWRITEBYTECODE or python -B)"
-        if sys.dont_write_bytecode
-        else "Python could not write it there"
-    )
-    return (
-        f"warning: every start compiles the Python source of the packages in {folder} again: they hold no "
-        f"bytecode and {why}; compile it once with: {sys.executable} -m compileall -q -j 0 {folder}"
-    )
-
-
-def requested_subcommand(args: Any, subcommands: Iterable[str]) -> str | None:
-    """The subcommand that a command line starts with (``fit`` in ``fit --config x.yaml``), else ``None``.
-
-    Only the first argument counts: a later one may be an option's value.
-
-    Args:
-        args: The command line after the program's name (a list), or a config as a mapping.
-        subcommands: The subcommands' names.
-    """
-    if isinstance(args, (list, tuple)) and args and isinstance(args[0], str) and args[0] in set(subcommands):
-        return args[0]
-    return None
+    return loaded if isinstance(loaded, dict) else None
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value given to a model argument that the data sets, or ``None`` if none is given.
-
-    Such a value would be lost: jsonargparse drops a link's target from a config file without a word,
-    and names the link in an error given on the command line.
-
-    Args:
-        args: The command line after the program's name.
-    """
-    for i in range(len(args)):
-        key, given, _ = option_at(args, i)
-        value = given or ""
-        where: dict[str, Any] | None = None
-        if key.startswith("--model.") and key[len("--model.") :] in _LINKED:
-            name = key[len("--model.") :]
-            return f"--model.{name} is set from {_LINKED[name]}."
-        if key in ("--config", "-c"):
-            where = (yaml_mapping(value) or {}).get("model")
-        elif key == "--model":
-            where = yaml_mapping(value)
-        if isinstance(where, dict):
-            for name in _LINKED:
-                if name in where:
-                    source = value if Path(value).is_file() else "the config given"
-                    return f"model.{name} in {source} is set from {_LINKED[name]}."
+    """The sentence for a value that the command line ``args`` (without the program's name) give to a model argument
+    that the data sets, or ``None``: jsonargparse would drop one given in a config file without a word."""
+    for i, arg in enumerate(args):
+        key, equals, value = arg.partition("=")
+        if key.startswith("-c") and not key.startswith("--") and len(key) > 2:  # -cFILE
+            key, value = "-c", arg[2:]
+        elif not equals:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if key.startswith("--model.") and key.removeprefix("--model.") in _LINKED:
+            return f"{key} is set from {_LINKED[key.removeprefix('--model.')]}."
+        given = _yaml_mapping(value) if key in ("--config", "-c", "--model") else None
+        model = given if key == "--model" else (given or {}).get("model")
+        linked = [name for name in _LINKED if isinstance(model, dict) and name in model]
+        if linked:
+            source = value if _is_file(value) else "the config given"
+            return f"model.{linked[0]} in {source} is set from {_LINKED[linked[0]]}."
     return None
 
 
@@ -440,42 +344,29 @@ def main(
     if warning is not None:
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)
     if run:
-        uncompiled = uncompiled_imports_warning()
-        if uncompiled is not None:
-            rank_zero_only(print)(uncompiled, file=sys.stderr, flush=True)
         catch_requeue_signal()
         problem = torchrun_restart_problem()
         if problem and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
-        cli = ImageNetCLI(
-            ImageClassifier,
-            datamodule_class,
-            trainer_defaults=_trainer_defaults(),
-            save_config_kwargs={"overwrite": True},
-            args=args,
-            run=run,
-        )
-        return cli
+        defaults = {"default_root_dir": "runs", "max_epochs": 90, "logger": lazy_instance(RunLogger),
+                    "callbacks": [EndLaunchedRanks()]}  # fmt: skip
+        return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults,
+                           save_config_kwargs={"overwrite": True}, args=args, run=run)  # fmt: skip
     except UserError as err:
         print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RequeueSignal:
         sys.exit(requeue_slurm_job())
     except SIGTERMException:
-        # Lightning stops at the end of the batch and StepCheckpoint has saved; 128 + SIGTERM tells a
-        # wrapper script or scheduler that the run did not finish.
+        # StepCheckpoint has saved; 128 + SIGTERM tells a wrapper script or scheduler that the run did not finish.
         print("Stopped by SIGTERM; resume with --ckpt_path last.", file=sys.stderr, flush=True)
         sys.exit(128 + signal.SIGTERM)
-    except CheckpointWriteError as err:
-        print(f"error: {err.strerror}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    except (CheckpointWriteError, NonFiniteLossError) as err:
+        print(f"error: {err.strerror if isinstance(err, CheckpointWriteError) else err}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
         if run and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter shutdown, the process group's threads can abort the process
-            # ("terminate called without an active exception"), whether the run finished or stopped,
-            # and the exit status would no longer say which.
+            # Left to interpreter shutdown, the process group's threads can abort the process, and the exit
+            # status would no longer say whether the run finished.
             torch.distributed.destroy_process_group()

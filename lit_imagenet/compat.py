@@ -1,18 +1,7 @@
 """Every private attribute of Lightning (and torchmetrics, torch) that the package reads, each behind one function.
 
-Some things the package needs have no public API: whether Lightning writes its step logs after
-the current batch, the step it writes them at, whether the batch only accumulates gradients, the
-last file a ``ModelCheckpoint`` wrote, how to stop a ``DataLoader`` iterator's workers. They are
-read here and nowhere else, so that an upgrade that renames one breaks one function, and
-``tests/test_compat.py`` says which. A missing attribute raises ``LightningCompatError`` naming it
-and the installed and tested versions.
-
-A subclass that overrides a private hook (``DDPStrategy._setup_model``) marks it with
-``overrides_private``, and the tests check that the hook still exists: a hook that Lightning no
-longer calls would make the override do nothing, silently.
-
-``setup.cfg`` allows the pytorch-lightning minor versions in ``TESTED_VERSIONS``; on any other,
-the command line starts with one warning line (``untested_version_warning``).
+A missing one raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each. An
+override of a private hook is marked with ``overrides_private``, and the tests check that the hook still exists.
 """
 
 from __future__ import annotations
@@ -57,11 +46,8 @@ def _private(obj: Any, name: str, owner: str, package: str = "pytorch-lightning"
 
 
 def untested_version_warning(version: str | None = None) -> str | None:
-    """The warning line for a pytorch-lightning version outside ``TESTED_VERSIONS``, or ``None``.
-
-    Args:
-        version: The version to check; ``None``: the installed one.
-    """
+    """The warning line for a pytorch-lightning ``version`` (``None``: the installed one) outside
+    ``TESTED_VERSIONS``, or ``None``."""
     version = pl.__version__ if version is None else version
     if ".".join(version.split(".")[:2]) in TESTED_VERSIONS:
         return None
@@ -123,11 +109,8 @@ def layer_sync(strategy: ParallelStrategy) -> LayerSync | None:
 
 
 def attached_trainer(module: nn.Module) -> pl.Trainer | None:
-    """The trainer a LightningModule is attached to, or ``None`` (``LightningModule.trainer`` raises then).
-
-    Another module answers from a ``_trainer`` attribute of its own, as ``ApexAMP`` always read it;
-    a plain ``nn.Module`` has none and gets ``None``.
-    """
+    """The trainer a LightningModule is attached to (``LightningModule.trainer`` raises without one), or ``None``;
+    another module's own ``_trainer`` attribute, if it has one."""
     if isinstance(module, pl.LightningModule):
         return _private(module, "_trainer", "LightningModule")
     return getattr(module, "_trainer", None)
@@ -144,11 +127,8 @@ def metric_defaults(metric: Metric) -> dict[str, Any]:
 
 
 def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Stops Lightning's broadcast of rank 0's SIGTERM flag before every training batch, for this run.
-
-    It reads the flag back on the host, so every batch waits for the GPU's queued work; the caller
-    takes over telling the ranks about a signal (``checkpointing.SigtermConsensus``).
-    """
+    """Stops Lightning's broadcast of rank 0's SIGTERM flag before every training batch (a host sync), for this
+    run; the caller takes over telling the ranks about a signal."""
     loop = trainer.fit_loop.epoch_loop
     _private(loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
     loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute: this loop only
@@ -163,12 +143,8 @@ def mark_sigterm(trainer: pl.Trainer) -> None:
 
 
 def count_epoch_as_started(trainer: pl.Trainer) -> None:
-    """Counts the current training epoch as started in the fit loop's progress, if it is not yet.
-
-    Inside an epoch, one more epoch has been started than processed. After a resume from the last
-    step of an epoch Lightning does not count the next epoch as started, and keeps one short from
-    then on: every checkpoint saved inside an epoch would look like one saved at its end.
-    """
+    """Counts the current training epoch as started in the fit loop's progress, if it is not yet: after a resume
+    from an epoch's last step Lightning does not, and a checkpoint inside the epoch would look like one at its end."""
     progress = trainer.fit_loop.epoch_progress
     current = _private(progress, "current", "_Progress")
     if current.started <= current.processed:
@@ -183,12 +159,8 @@ def epoch_batches_done(trainer: pl.Trainer) -> int:
 
 
 def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
-    """Moves the fit loop's batch counts of the current epoch (and of the run) by ``batches``, each alike.
-
-    A run resumed with another number of processes or another batch size trains the rest of its epoch in
-    batches of another grid: the loop's counts must say how many of that grid's batches the epoch has had,
-    for the epoch to end after its last one.
-    """
+    """Moves the fit loop's batch counts of the current epoch (and of the run) by ``batches``, each alike: a run
+    resumed on another grid of batches counts that grid's batches, for the epoch to end after its last one."""
     progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
@@ -196,20 +168,14 @@ def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
 
 
 def stop_workers(iterator: Any) -> None:
-    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would.
-
-    Lightning reads an evaluation pass's batches by count and never asks the iterator for one more, so
-    workers that are not persistent would otherwise live until the next pass replaces the iterator.
-    """
+    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would (Lightning
+    reads an evaluation pass by count, and never asks the iterator for the item that would end it)."""
     _private(iterator, "_shutdown_workers", "_MultiProcessingDataLoaderIter", package="torch")()
 
 
 def user_inductor_cache_dir() -> str | None:
-    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it; ``None`` when unset or holding inductor's own default.
-
-    Importing torch's compiler modules (as torchvision and Lightning do) writes inductor's default
-    folder into the variable, so a value equal to that default is taken as not chosen.
-    """
+    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it; ``None`` when unset or holding inductor's own default,
+    which inductor writes there itself."""
     value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if value is None:
         return None
@@ -219,10 +185,3 @@ def user_inductor_cache_dir() -> str | None:
         utils = None  # named by the error below
     default = _private(utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
     return None if os.path.abspath(value) == os.path.abspath(default) else value
-
-
-def compile_cache_counts() -> dict[str, int]:
-    """Graphs this process has compiled so far: found in inductor's caches (``hits``) and compiled anew (``misses``)."""
-    utils: Any = importlib.import_module("torch._dynamo.utils")
-    inductor = _private(utils, "counters", "torch._dynamo.utils", "torch")["inductor"]
-    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"])}

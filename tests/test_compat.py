@@ -249,26 +249,11 @@ def test_stop_workers_ends_the_worker_processes_of_an_unfinished_iterator() -> N
 
 
 def test_user_inductor_cache_dir_tells_a_choice_from_inductors_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    assert compat.user_inductor_cache_dir() == "/somewhere/else"  # reads inductor's default: a missing one is named
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
     assert compat.user_inductor_cache_dir() is None
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
-    assert compat.user_inductor_cache_dir() == "/somewhere/else"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert compat.user_inductor_cache_dir() is None
-
-
-def test_compile_cache_counts_count_graphs_compiled_and_found_in_the_caches(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    torch.compiler.reset()
-    x = torch.randn(5)
-    counts = [compat.compile_cache_counts()]
-    for _ in range(2):  # compiled, then found: a graph Dynamo forgot is read from the cache
-        torch.testing.assert_close(torch.compile(lambda t: t.sin() * 3, dynamic=False)(x), x.sin() * 3)
-        torch.compiler.reset()
-        counts.append(compat.compile_cache_counts())
-    (h0, m0), (h1, m1), (h2, m2) = ((c["hits"], c["misses"]) for c in counts)
-    assert (h1 - h0, m1 - m0, h2 - h1, m2 - m1) == (0, 1, 1, 0)

@@ -1,7 +1,7 @@
 """The package's folders are its layers: imports go from the command line down, never up and never sideways.
 
 ``LAYERS`` lists them, top first: the package's public names, the command lines, ``callbacks/``,
-``training/``, ``data/``, and the base (``compat``, ``errors``, ``lean_imports``). A module may import
+``training/``, ``data/``, and the base (``compat``, ``errors``). A module may import
 the modules of the layers below its own and, inside a folder, the other modules of that folder, as
 long as no import loop closes there. A new top-level module or folder must be given a place here.
 """
@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("callbacks", {"callbacks"}),
     ("training", {"training"}),
     ("data", {"data"}),
-    ("base", {"compat", "errors", "lean_imports"}),
+    ("base", {"compat", "errors"}),
 ]
 LAYER = {top: (index, name) for index, (name, tops) in enumerate(LAYERS) for top in tops}
 FOLDERS = {top for _, tops in LAYERS for top in tops if (PACKAGE / top).is_dir()}

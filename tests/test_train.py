@@ -87,25 +87,35 @@ def test_uint8_and_float_inputs_give_the_same_logits() -> None:
         torch.testing.assert_close(model(images), model(floats), rtol=1e-4, atol=1e-4)
 
 
-def test_compile_keeps_parameter_names(tmp_path: Path) -> None:
+def test_compile_keeps_parameter_names(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``compile`` compiles the network in place: checkpoints keep the plain network's names."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     plain = ImageClassifier("resnet18", num_classes=3)
     compiled = ImageClassifier("resnet18", num_classes=3, compile=True)
-    compiled.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    compiled.trainer = _trainer(tmp_path)
     compiled.setup("fit")
     assert compiled.model._compiled_call_impl is not None
     assert list(compiled.state_dict()) == list(plain.state_dict())
     plain.load_state_dict(compiled.state_dict())
 
 
-@pytest.mark.parametrize("given", ["unset", "default", "chosen"])
+@pytest.mark.parametrize("given", ["unset", "default", "chosen", "an earlier run's"])
 def test_compile_caches_go_under_the_run_root_unless_the_user_chose_a_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str
 ) -> None:
     """Importing torch's compiler writes inductor's default into TORCHINDUCTOR_CACHE_DIR: that is not a choice."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    values = {"unset": None, "default": default_cache_dir(), "chosen": str(tmp_path / "mine")}
+    from lit_imagenet.training import module as module_file
+
+    earlier = str(tmp_path / "earlier" / "compile_cache")
+    monkeypatch.setattr(module_file, "_CACHES_SET", {earlier})
+    values = {
+        "unset": None,
+        "default": default_cache_dir(),
+        "chosen": str(tmp_path / "mine"),
+        "an earlier run's": earlier,
+    }
     if values[given] is None:
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     else:
@@ -180,7 +190,7 @@ def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -
     assert graphs == [False, False]  # one graph per batch size, none of them for any size
 
 
-def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplog) -> None:
+def test_a_compile_mode_that_cannot_run_falls_back_saying_why(tmp_path: Path, monkeypatch, caplog) -> None:
     from types import SimpleNamespace
 
     from pytorch_lightning.strategies import DDPStrategy
@@ -205,20 +215,15 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     assert mode("cudagraphs", device="cpu") == ("default", "CUDA graphs need a CUDA device")
     assert mode("cudagraphs", world=2) == ("default", "CUDA graphs are used on one process only; this run has 2")
     assert mode("cudagraphs", accumulate=2)[0] == "default"
-    assert mode("auto") == ("background", "--model.compile auto on one CUDA device; false trains eager")
-    assert mode("auto", ddp=True) == ("default", "--model.compile auto under OneGpuDDP; false trains eager")
-    assert mode("background") == mode("background", device="cpu") == ("background", None)
-    assert mode("background", ddp=True) == (
-        "default",
-        "a background compile's graphs would not be split as OneGpuDDP splits them",
-    )
+    assert mode("auto") == mode("auto", ddp=True) == ("default", None)
     cpu = "--model.compile auto compiles on CUDA devices only; this run trains on cpu"
     assert mode("auto", device="cpu") == (None, cpu)
     from lit_imagenet.training.precision import ApexAMP
 
     assert mode("cudagraphs", plugin=ApexAMP.__new__(ApexAMP))[0] is None
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     module = ImageClassifier("resnet18", num_classes=3, compile="cudagraphs")
-    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    module.trainer = _trainer(tmp_path)
     with caplog.at_level("INFO"):
         module.setup("fit")
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compile:")] == [
@@ -226,7 +231,7 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
     ]
     assert module.model._compiled_call_impl is not None
     module = ImageClassifier("resnet18", num_classes=3, compile="auto")
-    module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    module.trainer = _trainer(tmp_path)
     caplog.clear()
     with caplog.at_level("INFO"):
         module.setup("fit")
@@ -234,5 +239,32 @@ def test_a_compile_mode_that_cannot_run_falls_back_saying_why(monkeypatch, caplo
         "Compile: eager (--model.compile auto compiles on CUDA devices only; this run trains on cpu)."
     ]
     assert module.model._compiled_call_impl is None
-    with pytest.raises(ValueError, match="compile must be false, true, auto, default, cudagraphs or background. Got"):
+    with pytest.raises(ValueError, match="compile must be false, true, auto, default or cudagraphs. Got"):
         ImageClassifier("resnet18", num_classes=3, compile="graphs")
+
+
+@pytest.mark.parametrize("compile_mode", [True, "auto"])
+def test_a_compiled_fit_logs_its_compile_time_once_and_an_eager_one_leaves_no_cache(
+    shapes_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog, compile_mode
+) -> None:
+    """On a CPU ``auto`` trains eager: no compiler cache folder is set or made. (Dynamo's ``eager`` backend stands
+    in for inductor, whose compile would take minutes here.)"""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    torch._dynamo.reset()
+    dm = ImageFolderDataModule(str(shapes_root), batch_size=8, workers=0, crop_size=32, val_resize=36)
+    model = ImageClassifier("resnet18", num_classes=3, compile=compile_mode)
+    try:
+        with caplog.at_level("INFO"):
+            _trainer(tmp_path, max_steps=3, limit_val_batches=0).fit(model, dm)
+    finally:
+        torch._dynamo.reset()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Compiled the network")]
+    if compile_mode is True:
+        (line,) = lines
+        assert "ran its first step in " in line and f"(compiler caches: {tmp_path / 'compile_cache'})" in line
+    else:
+        assert lines == [] and "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+        assert not (tmp_path / "compile_cache").exists()

@@ -1,9 +1,4 @@
-"""The LightningModule: a torchvision classifier trained and evaluated as the reference did.
-
-Its parts live beside it: the network and its head/backbone split in ``models``, the metrics in
-``metrics``, the optimizer and the schedule's rescaling in ``optim``; the prefetcher's callback, which
-it attaches, in ``lit_imagenet.data.prefetch``.
-"""
+"""The LightningModule: a torchvision classifier trained and evaluated as the reference did."""
 
 from __future__ import annotations
 
@@ -15,7 +10,6 @@ from typing import Any, Literal
 
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.utilities import rank_zero_info
 from pytorch_lightning.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor, nn
@@ -24,7 +18,6 @@ from typing_extensions import override
 
 from lit_imagenet.compat import (
     attached_trainer,
-    compile_cache_counts,
     epoch_batches_done,
     metric_defaults,
     user_inductor_cache_dir,
@@ -33,11 +26,13 @@ from lit_imagenet.compat import (
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 from lit_imagenet.training import models, optim
-from lit_imagenet.training.background_compile import CompileSwitch
 from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
 from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
+
+#: The compiler cache folders that runs of this process set, which a later run may replace with its own.
+_CACHES_SET: set[str] = set()
 
 
 class ImageClassifier(pl.LightningModule):
@@ -46,11 +41,10 @@ class ImageClassifier(pl.LightningModule):
     Args:
         arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
         num_classes: Number of classes; the command line takes it from the data.
-        weights: Initial weights: ``None`` (random), a torchvision weights name such as
-            ``IMAGENET1K_V2``, or the path of a state dict or checkpoint. The classifier head is
-            replaced when its number of classes differs.
-        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``, where
-            the global batch is batch size x processes x gradient accumulation.
+        weights: Initial weights: ``None`` (random), a torchvision weights name such as ``IMAGENET1K_V2``, or the
+            path of a state dict or checkpoint; a head of another number of classes is replaced.
+        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256`` (batch size x processes x
+            gradient accumulation).
         momentum: SGD momentum.
         weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
         warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
@@ -62,32 +56,16 @@ class ImageClassifier(pl.LightningModule):
             of the network gets no gradients and its batchnorm layers keep their running statistics.
             Under DDP this needs ``--trainer.strategy ddp_find_unused_parameters_true``.
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
-        channels_last: Keep the network in channels_last memory format. ``None``: on when the run
-            uses a CUDA device.
-        class_names: Class names in label order; the command line takes them from the data and
-            they are stored in checkpoints.
-        compile: Compile the network with ``torch.compile`` (in place, ``nn.Module.compile``: the
-            parameter names, and so the checkpoints, are those of the plain network). ``false``: eager.
-            ``true`` (or ``default``): compiled. ``cudagraphs``: compiled, and its forward and backward
-            passes replayed as CUDA graphs (torch.compile's ``reduce-overhead``), which launch each
-            pass's kernels at once; the optimizer step and the learning rate stay outside the graphs.
-            ``background``: the run trains eagerly while a process of its own compiles the network, and
-            switches to the compiled network at the first step after that process has ended, finding its
-            graphs in the compiler caches (``training.background_compile``); only batches of the first
-            training batch's form run compiled, any other (an epoch's short last batch, evaluation) eager.
-            ``auto`` (the recipe's): ``background`` where the network trains on one CUDA device, ``default``
-            on several processes (DDP), eager elsewhere, and the run says which in one line. Where a mode
-            cannot run (CUDA graphs off CUDA, under DDP or with gradient accumulation; a background compile
-            under DDP; any compilation with apex AMP), the run says so in one line and takes the next one
-            down. The first compiled step takes longer while it compiles or reads the caches (the time is
-            logged), and inductor's caches go to ``compile_cache`` under the run's root, where a restart
-            finds them, unless ``TORCHINDUCTOR_CACHE_DIR`` names another folder. Shapes are kept static:
-            with ``true`` and ``cudagraphs`` a batch of another size (an epoch's short last batch,
-            validation) gets a graph of its own, where by default it would turn the training graph into
-            one for any batch size.
-        fused_optimizer: Use the fused CUDA SGD kernel, which also unscales float16 gradients in the
-            same pass. ``None``: on when the parameters are on a CUDA device and the precision is
-            Lightning's own (not apex AMP, which manages the optimizer itself).
+        channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
+        class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
+        compile: Compile the network in place with ``torch.compile`` (checkpoints keep the plain network's
+            parameter names), with static shapes. ``false``: eager. ``true`` (or ``default``): compiled.
+            ``cudagraphs``: compiled and replayed as CUDA graphs (``reduce-overhead``); one process on CUDA
+            without gradient accumulation, else ``default``. ``auto``: ``default`` on CUDA, eager elsewhere.
+            With apex AMP the network runs eager. The compiler's caches go to ``compile_cache`` under the
+            run's root unless ``TORCHINDUCTOR_CACHE_DIR`` is set; the first step's time is logged.
+        fused_optimizer: Use the fused CUDA SGD kernel (it also unscales float16 gradients). ``None``: on when the
+            parameters are on a CUDA device and the precision is not apex AMP's, which manages the optimizer.
     """
 
     def __init__(
@@ -106,7 +84,7 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: float = 1.0,
         channels_last: bool | None = None,
         class_names: list[str] | None = None,
-        compile: bool | Literal["auto", "default", "cudagraphs", "background"] = False,
+        compile: bool | Literal["auto", "default", "cudagraphs"] = False,
         fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
@@ -118,15 +96,14 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"freeze_backbone_epochs must not be negative. Got {freeze_backbone_epochs}")
         if backbone_lr_scale < 0:
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
-        if compile not in (False, True, "auto", "default", "cudagraphs", "background"):
-            raise ValueError(f"compile must be false, true, auto, default, cudagraphs or background. Got {compile!r}")
+        if compile not in (False, True, "auto", "default", "cudagraphs"):
+            raise ValueError(f"compile must be false, true, auto, default or cudagraphs. Got {compile!r}")
         self.save_hyperparameters()
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
         self.criterion = nn.CrossEntropyLoss()
-        # No per-step host-device synchronisation in training: no label checks, no NaN check of the
-        # loss (NonFiniteGuard watches it on the device); validation keeps both.
+        # No host sync per training step: no label check, no NaN check (NonFiniteGuard watches the loss on the device).
         self.train_metrics = train_accuracy_metrics(num_classes, "train/")
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
@@ -136,15 +113,11 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.persistent(True)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
-        #: The prefetcher's switch, attached to the trainer by ``configure_callbacks``; the command line
-        #: sets it from ``--prefetch.*``.
+        #: Attached to the trainer by ``configure_callbacks``; the command line sets it from ``--prefetch.*``.
         self.prefetch = CUDAPrefetch()
         self._compiled = False
         self._graphed = False  # the network replayed as CUDA graphs (``compile: cudagraphs``)
         self._compile_clock: float | None = None  # the first compiled step's start, 0 until it starts
-        self._switch: CompileSwitch | None = None  # eager until a background compile ends (``compile: background``)
-        self._cache_counts: dict[str, int] | None = None  # the compiler caches' counts and the step at the switch
-        self._failure_said = False  # whether the line of a background compile that failed was logged
         self._saved_grid: dict[str, int] | None = None  # the schedule's grid of a checkpoint's run
         self._step_figures: tuple[Tensor, torch.cuda.Event | None] | None = None
 
@@ -155,10 +128,7 @@ class ImageClassifier(pl.LightningModule):
             # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
             weight = next(self.model.parameters())
             images = self.normalize(images, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
-        network = self.model
-        if self._switch is not None and self.training:
-            network = self._switch.network_for(images, network)
-        out = network(images)
+        out = self.model(images)
         if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
             out = out[0]
         return out
@@ -166,66 +136,48 @@ class ImageClassifier(pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         use = self.hparams.channels_last
-        if use is None:
-            use = self.trainer.strategy.root_device.type == "cuda"
-        if use:
+        if use or use is None and self.trainer.strategy.root_device.type == "cuda":
             self.model.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
-            mode, reason = self._compile_mode()
-            if reason:
-                rank_zero_info(f"Compile: {mode or 'eager'} ({reason}).")
-            trainer = attached_trainer(self)
-            if mode is not None and trainer is not None and user_inductor_cache_dir() is None:
-                # Read by inductor when it compiles, and by its compile workers, started then.
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(
-                    os.path.join(trainer.default_root_dir, "compile_cache")
-                )
-            if mode == "background":
-                root = trainer.default_root_dir if trainer is not None else "."
-                folder = os.path.abspath(os.path.join(root, "background_compile"))
-                self._switch = CompileSwitch(folder, os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
-            elif mode is not None:
-                self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
-                self._graphed = mode == "cudagraphs"
-                self._compile_clock = 0.0  # started by the first training batch
-            self._compiled = True
+            self._compile()
+
+    def _compile(self) -> None:
+        mode, reason = self._compile_mode()
+        if reason:
+            rank_zero_info(f"Compile: {mode or 'eager'} ({reason}).")
+        self._compiled = True
+        if mode is None:
+            return
+        trainer = attached_trainer(self)
+        if trainer is not None and user_inductor_cache_dir() in (None, *_CACHES_SET):
+            # Read at the first compile by inductor, triton (whose cache goes under it) and the compile workers.
+            folder = os.path.abspath(os.path.join(trainer.default_root_dir, "compile_cache"))
+            _CACHES_SET.add(folder)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+        self.model.compile(dynamic=False, mode="reduce-overhead" if mode == "cudagraphs" else None)
+        self._graphed = mode == "cudagraphs"
+        self._compile_clock = 0.0  # started by the first training batch
 
     def _compile_mode(self) -> tuple[str | None, str | None]:
-        """The compilation this run can have of the one asked for (``compile``), and why not the one asked for."""
+        """The compile mode this run can have (``None``: eager), and why it is not the one asked for."""
         asked = "default" if self.hparams.compile in (True, "default") else str(self.hparams.compile)
         trainer = attached_trainer(self)
         if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
             return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
         device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
-        # Under DDP torch.compile splits the graph where DDP's gradient buckets end, which a process of its own
-        # compiling the network would not do: its graphs would not be the run's.
-        ddp = trainer is not None and isinstance(trainer.strategy, ParallelStrategy)
         if asked == "auto":
             if device.type != "cuda":
                 return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
-            if ddp:
-                return "default", f"--model.compile auto under {type(trainer.strategy).__name__}; false trains eager"
-            return "background", "--model.compile auto on one CUDA device; false trains eager"
-        if asked == "background":
-            if ddp:
-                strategy = type(trainer.strategy).__name__
-                return "default", f"a background compile's graphs would not be split as {strategy} splits them"
-            return "background", None
+            return "default", None
         if asked != "cudagraphs":
             return asked, None
         if device.type != "cuda":
             return "default", "CUDA graphs need a CUDA device"
-        if trainer is None:
-            return "cudagraphs", None
-        if trainer.world_size > 1:
+        if trainer is not None and trainer.world_size > 1:
             return "default", f"CUDA graphs are used on one process only; this run has {trainer.world_size}"
-        if trainer.accumulate_grad_batches > 1:
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
             return "default", "gradients accumulated over the replays of one graph would be overwritten"
         return "cudagraphs", None
-
-    def head_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the classifier head (the network's final ``nn.Linear``)."""
-        return models.head_parameters(self.model, self.head_name)
 
     def backbone_parameters(self) -> list[nn.Parameter]:
         """Parameters of the network but its classifier head."""
@@ -253,16 +205,12 @@ class ImageClassifier(pl.LightningModule):
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
         """The prefetcher's callback, ``self.prefetch``; a ``CUDAPrefetch`` given to the Trainer takes its place."""
-        if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks):
-            return []
-        return [self.prefetch]
+        return [] if any(isinstance(cb, CUDAPrefetch) for cb in self.trainer.callbacks) else [self.prefetch]
 
     def _logs_this_step(self, batch_idx: int) -> bool:
         """Whether Lightning writes the step metrics after this batch, or it ends the epoch or the run."""
         trainer = self.trainer
-        if writes_log_line(trainer):
-            return True
-        if 0 < trainer.max_steps <= trainer.global_step + 1:
+        if writes_log_line(trainer) or 0 < trainer.max_steps <= trainer.global_step + 1:
             return True
         batches = trainer.num_training_batches
         return not math.isinf(batches) and batch_idx + 1 >= batches
@@ -291,12 +239,6 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._switch is not None and self._switch.poll(self.model):
-            self._cache_counts = {**compile_cache_counts(), "step": self.trainer.global_step}
-            self._compile_clock = 0.0
-        elif self._switch is not None and self._switch.failed is not None and not self._failure_said:
-            rank_zero_info(f"Compile: eager ({self._switch.failed}).")
-            self._failure_said = True
         if self._graphed:
             # A new training step: the graphs' outputs of the last one (logits, gradients) may be overwritten.
             torch.compiler.cudagraph_mark_step_begin()
@@ -306,15 +248,11 @@ class ImageClassifier(pl.LightningModule):
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         if self._compile_clock:
-            sync_device(self)
-            rank_zero_info(self._compiled_line(time.perf_counter() - self._compile_clock))
+            sync_device(self)  # the first step only: it compiled the network
+            seconds, caches = time.perf_counter() - self._compile_clock, os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            line = f"Compiled the network and ran its first step in {seconds:.1f} s (compiler caches: {caches})."
+            rank_zero_info(line)
             self._compile_clock = None
-        if self._switch is not None and self._switch.waiting and not self.backbone_frozen:
-            # After the first step, whose batch gave the form to compile for; with a frozen backbone, once the
-            # network trains whole, as it will from then on.
-            line = self._switch.launch(self.model, *self._device_memory())
-            if line:
-                rank_zero_info(line)
         if self._step_figures is None:
             return
         figures = read_host_copy(self._step_figures)
@@ -323,32 +261,6 @@ class ImageClassifier(pl.LightningModule):
         names = ["train/loss", *self.train_metrics.keys()]
         for name, value in zip(names, figures.unbind()):
             self.log(f"{name}_step", value, on_step=True, on_epoch=False)
-
-    def _compiled_line(self, seconds: float) -> str:
-        caches = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if self._switch is None or self._switch.child is None and not self._switch.in_process:
-            return f"Compiled the network and ran its first step in {seconds:.1f} s (compiler caches: {caches})."
-        counts, before = compile_cache_counts(), self._cache_counts or {"step": "?"}
-        found, compiled = (counts[k] - before.get(k, 0) for k in ("hits", "misses"))
-        child = self._switch.child
-        where = f" from the caches of its background compile ({child.seconds:.1f} s)" if child is not None else ""
-        return (
-            f"Compiled the network{where} at step {before['step']} and ran its first compiled step in "
-            f"{seconds:.1f} s: {found} of {found + compiled} graphs found in the caches (compiler caches: {caches})."
-        )
-
-    def _device_memory(self) -> tuple[int | None, int | None]:
-        """Free memory on the run's CUDA device, and what a background compile needs there: what a step took."""
-        device = self.trainer.strategy.root_device
-        if device.type != "cuda":
-            return None, None
-        free, _ = torch.cuda.mem_get_info(device)
-        return free, torch.cuda.max_memory_reserved(device) + 2**30
-
-    @override
-    def teardown(self, stage: str) -> None:
-        if self._switch is not None:
-            self._switch.stop()
 
     def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:
         images, targets = batch[0], batch[1]
@@ -374,25 +286,15 @@ class ImageClassifier(pl.LightningModule):
         probs = torch.softmax(self(batch[0]).float(), dim=1)
         return {"probs": probs, "index": batch[1]}
 
-    def global_batch_size(self) -> int:
-        """Images per optimizer step over all processes: batch x processes x gradient accumulation."""
-        return optim.global_batch_size(self.trainer)
-
-    def steps_per_epoch(self) -> int:
-        """Optimizer steps in one epoch of the training loader (as limited by the trainer)."""
-        return optim.steps_per_epoch(self.trainer)
-
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        # The rates depend on the training loader (batch size, length), which is not asked for here:
-        # loading it this early would draw its first batches before a checkpoint's loop state is
-        # restored, and a resumed run would restart its epoch. ``on_train_start`` sets them.
+        # The rates depend on the training loader, which loaded this early would draw batches before a checkpoint's
+        # loop state is restored (a resumed run would restart its epoch): ``on_train_start`` sets them.
         hp = self.hparams
         fused = bool(self._sgd_implementation().get("fused"))
-        optimizer = optim.build_sgd(
-            self.head_parameters(), self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
-            hp.weight_decay, fused,
-        )  # fmt: skip
+        head = models.head_parameters(self.model, self.head_name)
+        optimizer = optim.build_sgd(head, self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
+                                    hp.weight_decay, fused)  # fmt: skip
         # LambdaLR scales both groups alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -421,9 +323,8 @@ class ImageClassifier(pl.LightningModule):
         scheduler = self.lr_schedulers()
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
-        global_batch = self.global_batch_size()
+        global_batch, steps = optim.global_batch_size(self.trainer), optim.steps_per_epoch(self.trainer)
         base_lr = scaled_lr(self.hparams.lr, global_batch)
-        steps = self.steps_per_epoch()
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
             self._move_schedule(scheduler, grid, global_batch, steps)
@@ -434,12 +335,8 @@ class ImageClassifier(pl.LightningModule):
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
     ) -> None:
-        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid.
-
-        The data module has moved the fit loop's batch count to the batches of this run's size that the epoch
-        has had (``samplers.split_sampler``); the schedule counts their optimizer steps, so that the epoch's
-        warmup and milestones come where they would have, at the rate of this run's global batch.
-        """
+        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid,
+        at the rate of this run's global batch (the data module has moved the fit loop's batch count)."""
         epoch = self.trainer.current_epoch
         done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
         before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]
@@ -465,9 +362,9 @@ class ImageClassifier(pl.LightningModule):
         if attached_trainer(self) is not None and self.trainer.training:
             # A run resumed with another global batch places its schedule by these (on_train_start).
             checkpoint["schedule_grid"] = {
-                "global_batch": self.global_batch_size(),
+                "global_batch": optim.global_batch_size(self.trainer),
                 "world_size": self.trainer.world_size,
-                "steps_per_epoch": self.steps_per_epoch(),
+                "steps_per_epoch": optim.steps_per_epoch(self.trainer),
             }
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
