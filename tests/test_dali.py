@@ -1,13 +1,10 @@
 """The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
 
-import errno
 import gc
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,75 +232,6 @@ def test_same_seed_same_batches_other_seed_or_epoch_other_crops(shapes_root: Pat
         assert not any(torch.equal(a[0], b[0]) for a, b in zip(first, other))
 
 
-def test_a_pipeline_reads_its_files_from_a_list_file_in_memory_closed_once_built(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """The reader of a scanned split takes a list of ``path label`` lines made in memory, gone once the pipeline is
-    built (a process killed meanwhile leaves no file), and gives the batches that lists of paths and labels give."""
-    from lit_imagenet.data.dali import pipeline as pipelines
-    from lit_imagenet.data.index import SampleTable
-
-    lists: list[tuple[str, bytes]] = []
-    opened: list[tuple[str, str]] = []  # each list file's path, and what it opened while the pipeline was built
-    build = pipelines.build_pipeline
-
-    def kept(*args, **kwargs):
-        if kwargs.get("file_list") is not None:
-            lists.append((kwargs["file_root"], Path(kwargs["file_list"]).read_bytes()))
-            opened.append((kwargs["file_list"], os.readlink(kwargs["file_list"])))
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr("lit_imagenet.data.dali.loader.build_pipeline", kept)
-
-    def passes() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        dm = _module(shapes_root)
-        dm.setup("fit")
-        train, val = dm.train_dataloader(), dm.val_dataloader()
-        train.sampler.set_epoch(1)
-        return list(train), list(val)
-
-    def temporary_files() -> set[Path]:
-        # Less multiprocessing's own folders (pymp-*), which the suite's other processes make there at any time.
-        return {p for p in Path(tempfile.gettempdir()).iterdir() if not p.name.startswith("pymp-")}
-
-    before = temporary_files()
-    listed = passes()
-    assert temporary_files() <= before  # nothing written there
-    assert [target.startswith("/memfd:lit_imagenet_dali_list") for _, target in opened] == [True, True]
-    for path, target in opened:  # closed: its path opens nothing, or another file that took its number since
-        assert not os.path.exists(path) or os.readlink(path) != target
-    assert [root for root, _ in lists] == [str(shapes_root / "train"), str(shapes_root / "val")]
-    lines = lists[0][1].decode().splitlines()  # the epochs the training pipeline reads, one after the other
-    files = sorted(p.relative_to(shapes_root / "train").as_posix() for p in (shapes_root / "train").rglob("*.jpg"))
-    classes = sorted(p.name for p in (shapes_root / "train").iterdir())
-    assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
-    assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
-    with monkeypatch.context() as patched:
-        patched.setattr(SampleTable, "listable", lambda self: False)
-        for got, expected in zip(passes(), listed):
-            assert len(got) == len(expected)
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
-    assert len(lists) == 2  # lists of paths this time
-
-    # A system that makes no file in memory: the same batches from lists of paths, and one warning line.
-    from lit_imagenet.data.dali import loader
-
-    def refused(*args, **kwargs):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(loader.os, "memfd_create", refused)
-    monkeypatch.setattr(loader, "_NO_LIST_FILE", [])
-    with pytest.warns(UserWarning) as caught:
-        for got, expected in zip(passes(), listed):
-            assert len(got) == len(expected)
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
-    said = [str(w.message) for w in caught if "list file" in str(w.message)]
-    assert said == [
-        "DALI's readers take lists of paths, slower to build: no list file could be made (Function not implemented)."
-    ]
-    assert len(lists) == 2
-
-
 def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path) -> None:
     whole = _module(shapes_root).train_dataloader()
     whole.sampler.set_epoch(1)
@@ -317,27 +245,18 @@ def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path)
     assert len(list(resumed)) == len(expected)  # only the first pass skips
 
 
-def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at_the_last_batch(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """A pipeline reads as many whole epochs as fit in ``pass_samples``; the one of the epochs after them is built
-    in another thread once the last one's last batch is handed over (it decodes during validation). Each epoch's
-    batches are those of a loader asked for that epoch alone; a resume, another epoch or another seed gets a
-    pipeline of its own, and none is built for epochs past the run's last."""
+def test_each_epoch_gets_a_pipeline_of_the_samplers_order(shapes_root: Path, monkeypatch) -> None:
+    """One loader over several epochs, a resume and a restored seed: each epoch's batches are those of a loader
+    asked for that epoch alone, from one pipeline built from that epoch's samples."""
     builds: list[tuple[int, int]] = []
-    reached, release = threading.Event(), threading.Event()
-    pipeline = DALILoader._pipeline
+    build = DALILoader._build
 
     def counted(self, indices, seeds):
-        if threading.current_thread() is not threading.main_thread():
-            reached.set()
-            assert release.wait(30)
         builds.append((int(self.sampler.epoch), len(indices)))
-        return pipeline(self, indices, seeds)
+        return build(self, indices, seeds)
 
     def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
         loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
-        loader.pass_samples, loader.epochs = 1, epoch + 1  # one epoch read, none built ahead
         loader.sampler.set_epoch(epoch)
         return list(loader)
 
@@ -346,42 +265,19 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
             torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected)
         )
 
-    expected, reseeded = [alone(epoch) for epoch in range(7)], alone(8, seed=4)
+    expected, reseeded = [alone(epoch) for epoch in range(3)], alone(2, seed=4)
     assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]  # 24 images: the last batch is not padded
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    monkeypatch.setattr(DALILoader, "_build", counted)
     loader = _module(shapes_root, batch_size=5).train_dataloader()
-    loader.pass_samples = 3 * 24 + 23  # three whole epochs
     for epoch in range(3):
         loader.sampler.set_epoch(epoch)  # as Lightning does at each epoch's start
-        passes = iter(loader)
-        got = [next(passes) for _ in range(len(loader) - 1)]
-        assert builds == [(0, 3 * 25)]  # each epoch padded to whole batches
-        got.append(next(passes))  # the epoch's last batch: it comes while the next pipeline is being built
-        assert reached.wait(30) if epoch == 2 else not reached.is_set()  # the build ahead, held in its thread
-        assert builds == [(0, 75)]
-        assert loader.sampler.epoch == epoch + 1  # the loader moves its sampler on, as when it builds ahead
-        assert list(passes) == []
-        assert same(got, expected[epoch])
-    release.set()
-    loader.sampler.set_epoch(3)
-    assert same(list(loader), expected[3])
-    assert builds == [(0, 75), (3, 75)]
-
-    loader.sampler.set_epoch(6)  # another epoch than the pipeline reads next: one is built for it
-    assert same(list(loader), expected[6]) and builds[2:] == [(6, 75)]
-    loader.sampler.resume_at(7, 10)  # a resume part-way through the epoch the pipeline reads next
-    assert [len(b[0]) for b in loader] == [5, 5, 4] and builds[3:] == [(7, 15 + 25 + 25)]
-    loader.sampler.set_epoch(8)
-    loader.sampler.seed = 4  # a checkpoint's seed, restored
-    assert same(list(loader), reseeded) and builds[4:] == [(8, 75)]
-
-    builds.clear()
-    loader = _module(shapes_root, batch_size=5).train_dataloader()
-    loader.epochs = 2  # the run's max_epochs
-    for epoch in range(2):
-        loader.sampler.set_epoch(epoch)
         assert same(list(loader), expected[epoch])
-    assert builds == [(0, 50)] and loader.sampler.epoch == 1  # nothing built beyond epoch 1
+    assert builds == [(0, 24), (1, 24), (2, 24)]
+    loader.sampler.resume_at(1, 10)  # two batches of epoch 1 were trained on
+    assert same(list(loader), expected[1][2:]) and builds[3:] == [(1, 14)]
+    loader.sampler.set_epoch(2)
+    loader.sampler.seed = 4  # a checkpoint's seed, restored
+    assert same(list(loader), reseeded)
 
 
 def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_pass(
@@ -390,13 +286,13 @@ def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_p
     """A validation pass that reads every file keeps its pipeline for the next pass; one left part-way does not.
     With a batch limit the reader holds only those batches' files, so that each pass reads them all."""
     builds: list[int] = []
-    pipeline = DALILoader._pipeline
+    build = DALILoader._build
 
     def counted(self, indices, seeds):
         builds.append(len(indices))
-        return pipeline(self, indices, seeds)
+        return build(self, indices, seeds)
 
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    monkeypatch.setattr(DALILoader, "_build", counted)
     dm = _module(varied_root, batch_size=4)
     dm.setup("fit")
     loader = dm.val_dataloader()
@@ -429,7 +325,6 @@ def test_the_data_module_gives_an_integer_batch_limit_to_the_evaluation_loaders(
     assert dm.val_dataloader().max_batches == 3
     assert dm.test_dataloader().max_batches is None  # a fraction: Lightning shortens the pass itself
     assert dm.train_dataloader().max_batches is None
-    assert dm.train_dataloader().epochs == trainer.max_epochs
     with pytest.raises(ValueError, match="hw_decoder_load must be between 0 and 1. Got 1.5"):
         _module(shapes_root, hw_decoder_load=1.5)
 
@@ -655,40 +550,6 @@ def test_mixed_decoder_batches_on_the_gpu_and_a_short_fit(learnable_root: Path, 
     assert ((gpu_images - cpu_images) * STD_255).abs().mean() < 3
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
     assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
-
-
-def test_a_long_pass_starts_with_a_pipeline_of_its_first_batches_and_goes_on_in_one_of_the_rest(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """The first ``head_batches`` come from a pipeline of their own, the rest of the epoch (and the epochs after it
-    in one pass) from one built in the loader's thread meanwhile: the very batches of an unsplit pass, resumes too."""
-    builds: list[tuple[str, int]] = []
-    pipeline = DALILoader._pipeline
-
-    def counted(self, indices, seeds):
-        builds.append((threading.current_thread().name.split("_")[0], len(indices)))
-        return pipeline(self, indices, seeds)
-
-    def loader(head: int):
-        dali = _module(shapes_root, batch_size=5).train_dataloader()
-        dali.head_batches, dali.pass_samples, dali.epochs = head, 2 * 24, 2  # one pass of two epochs, none after
-        return dali
-
-    whole = loader(head=100)
-    expected = [list(whole) for _ in range(2)]
-    assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
-    split = loader(head=2)
-    got = list(split)
-    assert builds == [("MainThread", 10), ("dali-pipeline", 15 + 25)]  # 2 batches; the 3 others and epoch 1
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[0], strict=True))
-    got = list(split)  # epoch 1, from the pipeline of the rest
-    assert len(builds) == 2 and all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[1], strict=True)
-    )
-    resumed = loader(head=1)
-    resumed.sampler.resume_at(0, 5)  # the first batch was trained on
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(list(resumed), expected[0][1:], strict=True))
 
 
 def test_loader_workers_forked_after_a_dali_pipeline_became_garbage_keep_running(shapes_root: Path) -> None:

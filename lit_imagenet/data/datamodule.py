@@ -302,7 +302,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             mean=self.mean,
             std=self.std,
             decode_ahead=self.gpu_decode_ahead,
-            split_first=decoder in ("pil", "torchvision"),  # batches of tensors, decoded in the workers
         )
 
     def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
@@ -325,7 +324,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             std=self.std,
             hw_decoder_load=self.hw_decoder_load,
             max_batches=None if train else self._batch_limit(stage),
-            epochs=self.trainer.max_epochs if train and self.trainer is not None else None,
         )
 
     def _dali_threads(self) -> int:

@@ -22,9 +22,8 @@ below the LightningModule, which attaches it); on anything but a CUDA device it 
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -184,63 +183,6 @@ class CUDAPrefetcher:
         return batch
 
 
-class _FirstBatchInPieces:
-    """The batches of a batch sampler, the first of each pass cut into up to ``pieces`` runs of consecutive samples.
-
-    ``first_pieces`` is the number of pieces of the pass started last, set when its first batch is drawn: DataLoader's
-    iterator draws the first tasks of a pass as it starts it, before the pass's first piece can be handed over. Nothing
-    is drawn before that (DataLoader makes an iterator of its index sampler more than once, and the first draw of a
-    resumed sampler uses its skip up).
-    """
-
-    def __init__(self, batches: Iterable[Sequence[Any]], pieces: int) -> None:
-        self.batches = batches
-        self.pieces = pieces
-        self.first_pieces = 0
-        #: Cut the first batch of the passes started from now on (read as a pass draws its first batch).
-        self.active = True
-
-    def __len__(self) -> int:
-        return len(self.batches)  # type: ignore[arg-type]  # whole batches: the loader's length
-
-    def __iter__(self) -> Iterator[Sequence[Any]]:
-        batches = iter(self.batches)
-        first = next(batches, None)
-        if first is None:
-            self.first_pieces = 0
-            return
-        first = list(first)
-        count = min(self.pieces, len(first)) if self.active else 1
-        bounds = [len(first) * i // count for i in range(count + 1)]
-        self.first_pieces = count
-        for start, end in zip(bounds, bounds[1:]):
-            yield first[start:end]
-        while (batch := next(batches, None)) is not None:  # not ``yield from``, which would call ``iter`` again:
-            yield batch  # Lightning's batch sampler of a prediction starts over at each ``iter``
-
-
-def _joined(parts: list[Any]) -> Any:
-    """The batch made of ``parts``, batches of the same tensors one after the other: each tensor concatenated."""
-    first = parts[0]
-    if not isinstance(first, (list, tuple)) or not all(isinstance(item, Tensor) for item in first):
-        raise TypeError(
-            f"split_first joins batches that are lists or tuples of tensors; this loader's are {type(first).__name__}. "
-            "Set split_first=False for it."
-        )
-    joined = [torch.cat(items) for items in zip(*parts)]
-    if first[0].is_pinned():
-        joined = [item.pin_memory() for item in joined]
-    return type(first)(joined)
-
-
-def _first_joined(source: Iterator[Any], pieces: int) -> Iterator[Any]:
-    """``source``'s batches, its first ``pieces`` joined into one."""
-    parts = list(itertools.islice(source, pieces))
-    if parts:
-        yield _joined(parts)
-    yield from source
-
-
 class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
 
@@ -248,21 +190,12 @@ class PrefetchLoader(DataLoader):
     copies them (``CUDAPrefetcher``'s ``pin``): ``DataLoader`` gets ``pin_memory=False``, so that it starts
     no pin thread, and ``pins_in_prefetcher`` is set.
 
-    With ``split_first`` and two or more workers, the first batch of a pass that starts when it is asked for
-    (a run's first epoch, a resumed one, each evaluation whose workers start with it) is decoded in pieces,
-    one per worker, which are joined in this process: it then comes once each worker has decoded its share
-    of it, where one worker would decode all of it (256 images, most of a second with PIL), while the GPU
-    waits. An epoch started early, as the last one ends, has its first batch decoded whole meanwhile. The
-    batches, their samples and their order are the same either way.
-
     Args:
         *args: Passed to ``DataLoader``.
         device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
         mean: Per-channel mean for normalisation on the GPU.
         std: Per-channel standard deviation for normalisation on the GPU.
         decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``, which checks it).
-        split_first: Decode each pass's first batch in pieces, one per worker. Its batches must be lists or
-            tuples of tensors, which are concatenated.
         **kwargs: Passed to ``DataLoader``.
     """
 
@@ -273,12 +206,9 @@ class PrefetchLoader(DataLoader):
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         decode_ahead: int = 2,
-        split_first: bool = False,
         **kwargs: Any,
     ) -> None:
         self.device = torch.device(device) if device is not None else None
-        self.split_first = split_first
-        self._pieces: _FirstBatchInPieces | None = None
         self.pins_in_prefetcher = bool(kwargs.get("pin_memory")) and self._prefetches()
         if self.pins_in_prefetcher:
             kwargs["pin_memory"] = False  # no pin thread: the prefetcher pins
@@ -286,22 +216,11 @@ class PrefetchLoader(DataLoader):
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.decode_ahead = decode_ahead
-        self._next_epoch: tuple[int, Iterator[Any], int] | None = None
+        self._next_epoch: tuple[int, Iterator[Any]] | None = None
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 
     def _prefetches(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
-
-    @property
-    def _index_sampler(self) -> Any:
-        # What DataLoader's iterator draws the samples of each task from: with split_first, the batch sampler's
-        # batches with the first of each pass in pieces, which _epoch joins again.
-        batches = super()._index_sampler
-        if not self.split_first or self.num_workers < 2 or self.batch_sampler is None:
-            return batches
-        if self._pieces is None or self._pieces.batches is not batches:
-            self._pieces = _FirstBatchInPieces(batches, self.num_workers)
-        return self._pieces
 
     def stop_workers(self) -> None:
         """Stops the worker processes of the pass under way, unless they are persistent; the next pass starts others.
@@ -338,22 +257,13 @@ class PrefetchLoader(DataLoader):
     def _start_next_epoch(self) -> None:
         epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
         self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        # Whole: the workers decode its first batch while the last epoch ends (validation, the checkpoint), and
-        # a batch in pieces would only add their joining to the epoch's start.
-        self._next_epoch = (epoch, *self._new_pass(split=False))
+        self._next_epoch = (epoch, self._new_pass())
 
-    def _new_pass(self, split: bool = True) -> tuple[Iterator[Any], int]:
-        """DataLoader's iterator of a new pass, and the pieces its first batch comes in (``split_first``; with
-        ``split`` false, one)."""
-        if isinstance(self._index_sampler, _FirstBatchInPieces):
-            self._index_sampler.active = split
-        # DataLoader's iterator forks the workers (the first time, for persistent ones).
-        with forks_skip_parent_garbage():
-            source = super().__iter__()
-        pieces = self._pieces.first_pieces if self._pieces is not None and self._index_sampler is self._pieces else 1
-        return source, pieces
+    def _new_pass(self) -> Iterator[Any]:
+        with forks_skip_parent_garbage():  # DataLoader's iterator forks the workers (once, for persistent ones)
+            return super().__iter__()
 
-    def _epoch(self, source: Iterator[Any], pieces: int = 1) -> Iterator[Any]:
+    def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
         """Yields the pass's batches; on its last one, starts the workers on the next epoch or stops them.
 
         Lightning stops asking once it has the pass's last batch (it counts them), so the loader's
@@ -366,7 +276,7 @@ class PrefetchLoader(DataLoader):
         early = self._starts_next_epoch_early()
         total = len(self) if early or self._stops_workers_with_each_pass() else -1
         count = 0
-        for batch in _first_joined(source, pieces) if pieces > 1 else source:
+        for batch in source:
             count += 1
             if count == total:
                 if early:
@@ -386,13 +296,13 @@ class PrefetchLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         early, self._next_epoch = self._next_epoch, None
         if early is not None and early[0] == getattr(self.sampler, "epoch", None):
-            source, pieces = early[1:]  # started when the last epoch ran out, for the epoch asked for now
+            source = early[1]  # started when the last epoch ran out, for the epoch asked for now
         else:
-            source, pieces = self._new_pass()
+            source = self._new_pass()
         if self._stops_workers_with_each_pass():
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
-        source = self._epoch(source, pieces)
+        source = self._epoch(source)
         if not self._prefetches():
             return source
         normalize = Uint8Normalize(self.mean, self.std)

@@ -1,11 +1,7 @@
-"""The DALI pipeline graph, and the external sources that give it each batch's crop windows and sizes.
+"""The DALI pipeline graph (that of DALI's ResNet-50 example), and the external sources of its crops and sizes.
 
-The graph is that of DALI's ResNet-50 example: ``readers.file`` reads the files in the order given,
-the decoder fuses decoding with the crop (ROI decoding; on CUDA the ``mixed`` decoder, which hands
-part of the JPEGs to the GPU's hardware decoder), ``resize`` scales the crop, and
-``crop_mirror_normalize`` flips, normalises and lays the batch out. Nothing is drawn at random in
-the pipeline: the crop windows come from the samples' seeds (``lit_imagenet.data.crops``) through an
-external source, so that a resumed epoch cuts the same crops again.
+Nothing is drawn at random in the pipeline: the crop windows come from the samples' seeds
+(``lit_imagenet.data.crops``) through an external source, so that a resumed epoch cuts the same crops again.
 """
 
 from __future__ import annotations
@@ -49,9 +45,6 @@ class GeometrySource:
 class CropSource:
     """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
 
-    Computed batch by batch with numpy from the samples' seeds and image sizes, so that DALI's CPU
-    threads only read and decode the files.
-
     Args:
         indices: The samples the reader reads, in its order.
         seeds: Their augmentation seeds.
@@ -87,12 +80,10 @@ class CropSource:
 
 
 def build_pipeline(
-    files: list[str] | None,
-    labels: list[int] | None,
+    files: list[str],
+    labels: list[int],
     source: CropSource | GeometrySource,
     *,
-    file_list: str | None = None,
-    file_root: str | None = None,
     batch_size: int,
     threads: int,
     device_id: int | None,
@@ -104,10 +95,6 @@ def build_pipeline(
     hw_decoder_load: float,
 ) -> Any:
     """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches.
-
-    Or the files of ``file_list``, a text file of ``path label`` lines (``SampleTable.listing``), each path
-    under ``file_root``: DALI reads it at the build, where a Python list of a million paths takes seconds
-    to hand over, holding the interpreter.
 
     A ``CropSource`` makes it a training pipeline (the source's crop windows, resized to ``crop_size``
     squared, mirrored where the source says); a ``GeometrySource`` an evaluation one (the whole image
@@ -125,10 +112,9 @@ def build_pipeline(
     # seed: nothing is drawn in the pipeline, the crops come from the samples' seeds
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=0)
     def pipeline() -> tuple[Any, Any]:
-        listed: dict[str, Any] = {"files": files, "labels": labels}
-        if file_list is not None:
-            listed = {"file_list": file_list, "file_root": file_root}
-        encoded, label = fn.readers.file(random_shuffle=False, pad_last_batch=True, name="Reader", **listed)
+        encoded, label = fn.readers.file(
+            files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
+        )
         mirror: Any = 0
         crop: dict[str, Any] = {}
         if isinstance(source, CropSource):
