@@ -58,7 +58,6 @@ class SampleTable(Sequence[tuple[str, int]]):
         self.offsets = offsets
         self.labels = labels
         self._ascii: str | None = None  # the names as one string, made when first needed, if they are ASCII
-        self._listable: bool | None = None  # ``listable()``, found when first asked
 
     @classmethod
     def from_pairs(cls, root: str | os.PathLike[str], pairs: Iterable[tuple[str, int]]) -> SampleTable:
@@ -121,54 +120,6 @@ class SampleTable(Sequence[tuple[str, int]]):
             return [prefix + text[a:b] for a, b in zip(starts, ends)]
         blob = self.names.tobytes()
         return [prefix + os.fsdecode(blob[a:b]) for a, b in zip(starts, ends)]
-
-    #: Samples a chunk of ``listing`` handles at once (about 40 bytes of working arrays per byte of names).
-    LISTING_CHUNK = 65_536
-
-    def listable(self) -> bool:
-        """Whether ``listing`` can give the table's samples: paths relative to a root, none with a line break
-        in it or white space at either end (which a list of ``path label`` lines cannot carry)."""
-        if self._listable is None:
-            names, starts, ends = self.names, self.offsets[:-1], self.offsets[1:]
-            ok = bool(self.root) and len(self) > 0 and bool((ends > starts).all())
-            if ok:
-                edges = np.concatenate([names[starts], names[ends - 1]])
-                ok = (
-                    not ((names == 10) | (names == 13)).any()
-                    and not ((edges == 32) | ((edges >= 9) & (edges <= 13))).any()
-                )
-            self._listable = ok
-        return self._listable
-
-    def listing(self, indices: np.ndarray) -> bytes:
-        """The samples ``indices`` as lines of ``relative-path label``, in their order: the file list that DALI's
-        file reader takes (``file_list``, with ``file_root`` the table's root), made with numpy, a few
-        nanoseconds a byte, without a Python string per sample. Only for a ``listable`` table."""
-        labels = self.labels.astype(np.int64)
-        classes = int(labels.max()) + 1 if len(labels) else 0
-        tails = [f" {k}\n".encode() for k in range(classes)]
-        tail_len = np.array([len(t) for t in tails], dtype=np.int64)
-        tail_start = np.zeros(classes, dtype=np.int64)
-        np.cumsum(tail_len[:-1], out=tail_start[1:])
-        source = np.concatenate([self.names, np.frombuffer(b"".join(tails), dtype=np.uint8)])
-        base = len(self.names)  # where the tails start in ``source``
-        parts = []
-        indices = np.asarray(indices, dtype=np.int64)
-        for at in range(0, len(indices), self.LISTING_CHUNK):
-            where = indices[at : at + self.LISTING_CHUNK]
-            label = labels[where]
-            # Two pieces a line, the path and its " label\n", as (start in source, length), one after the other.
-            start = np.empty(2 * len(where), dtype=np.int64)
-            length = np.empty(2 * len(where), dtype=np.int64)
-            start[0::2], start[1::2] = self.offsets[where], base + tail_start[label]
-            length[0::2], length[1::2] = self.offsets[where + 1] - self.offsets[where], tail_len[label]
-            # Each output byte's place in source: +1 within a piece, a jump at each piece's first byte.
-            step = np.ones(int(length.sum()), dtype=np.int64)
-            first = np.cumsum(length) - length
-            step[first[0]] = start[0]
-            step[first[1:]] = start[1:] - (start[:-1] + length[:-1] - 1)
-            parts.append(source.take(np.cumsum(step)).tobytes())
-        return b"".join(parts)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleTable):
