@@ -238,50 +238,6 @@ def test_torchvision_decoder_augments_reproducibly_per_sample(shapes_root: Path)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-def test_next_epoch_starts_early_and_gives_the_same_batches(shapes_root: Path) -> None:
-    """When an epoch's last batch is out, the workers start on the next epoch; its batches do not change."""
-
-    def loader() -> torch.utils.data.DataLoader:
-        dm = ImageFolderDataModule(str(shapes_root), batch_size=5, workers=1, crop_size=16, val_resize=18,
-                                   decoder="torchvision", seed=4)  # fmt: skip
-        return dm.train_dataloader()
-
-    early = loader()
-    early.sampler.set_epoch(0)
-    first = list(early)
-    assert early._next_epoch is not None and early._next_epoch[0] == 1 and early.sampler.epoch == 1
-    early.sampler.set_epoch(1)  # as Lightning does before asking for the epoch
-    second = list(early)
-    assert early._next_epoch is not None and early._next_epoch[0] == 2
-
-    fresh = loader()
-    for epoch, batches in ((0, first), (1, second)):
-        fresh.sampler.set_epoch(epoch)
-        fresh._next_epoch = None
-        expected = list(fresh)
-        assert len(batches) == len(expected) == 5  # 24 images, batch 5
-        for got, want in zip(batches, expected):
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert not torch.equal(first[0][1], second[0][1]) or not torch.equal(first[0][0], second[0][0])
-
-
-def test_a_different_epoch_than_the_one_started_early_is_not_used(shapes_root: Path) -> None:
-    dm = ImageFolderDataModule(str(shapes_root), batch_size=8, workers=1, crop_size=16, val_resize=18, seed=4)
-    loader = dm.train_dataloader()
-    loader.sampler.set_epoch(0)
-    list(loader)
-    loader.sampler.set_epoch(5)  # a caller that jumps epochs gets the epoch it asks for
-    jumped = list(loader)
-    fresh = dm.train_dataloader()
-    fresh.sampler.set_epoch(5)
-    expected = list(fresh)
-    assert len(jumped) == len(expected) == 3  # 24 images in batches of 8
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(jumped, expected))
-    started_early = dm.train_dataloader()
-    started_early.sampler.set_epoch(1)  # the epoch the workers had started on
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(jumped, list(started_early)))
-
-
 def test_every_decoder_cuts_the_crop_and_flip_of_the_crop_rule(shapes_root: Path) -> None:
     """pil and torchvision (TrainCrop), nvjpeg's workers and DALI's external source: one box and flip per seed."""
     from torchvision.transforms.v2 import functional as F

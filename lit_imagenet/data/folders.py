@@ -1,11 +1,7 @@
 """The ImageFolder layout: the class folders of a split, their images, and the checks made before training.
 
-``root`` holds ``train/`` and ``val/`` (and optionally ``test/``), each with one folder of images
-per class. The folders are scanned when the data module is built, so a missing split, an empty
-class folder, an empty file or one that is not an image, or train and val splits with different
-classes stop the run before any training starts, with a ``DataError`` naming the thing. A scan is
-kept in an index file (``lit_imagenet.data.index``) that later runs read instead of walking the
-folders again, as long as no folder changed.
+A missing split, an empty class folder, an empty or non-image file, or train and val splits with different classes
+stop the run before training with a ``DataError`` naming the thing. Scans are kept in an index (``data.index``).
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ def _is_hidden(name: str) -> bool:
 
 
 def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
-    """Appends the images under ``folder`` to ``names`` (relative, encoded), its files before its sub-folders,
-    each sorted, and the modification time of each folder read to ``folders``; hidden entries are not data."""
+    """Appends the images under ``folder`` to ``names`` (relative, encoded; files before sub-folders, each sorted)
+    and each folder's modification time to ``folders``; hidden entries are not data."""
     folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
     files, subfolders = [], []
     with os.scandir(folder) as entries:
@@ -81,12 +77,8 @@ def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]
 
 
 def _walk_classes(split_dir: str, classes: list[str], processes: int) -> list[tuple[list[bytes], dict[str, int]]]:
-    """``_walk_class`` of each class folder, in order; in ``processes`` forked processes where there are many.
-
-    The scan waits on the file system (one ``stat`` a file), more so on a network file system: several
-    processes wait at once. Only where processes are forked (Linux): spawning would import the package
-    again in each.
-    """
+    """``_walk_class`` of each class folder, in order; in ``processes`` forked processes (Linux) where there are many,
+    which wait on the file system's ``stat`` calls together."""
     if processes > 1 and len(classes) >= 64 and sys.platform.startswith("linux"):
         context = multiprocessing.get_context("fork")
         chunk = max(1, len(classes) // (4 * processes))

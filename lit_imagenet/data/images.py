@@ -1,10 +1,5 @@
-"""Decoding images on the CPU, in the loader workers, and reading what the GPU decoder needs from a file.
-
-``load_rgb`` opens any image with PIL as 8-bit RGB (the reference's path); ``load_rgb_tensor``
-decodes with ``torchvision.io`` straight into a uint8 tensor. For ``--data.decoder nvjpeg`` the
-workers only read a JPEG's bytes (``read_bytes``) and its size from the header (``jpeg_size``), and
-hand over an ``EncodedImage`` (``lit_imagenet.data.nvjpeg``). Every failure raises ``DataError`` naming the file.
-"""
+"""Decoding images on the CPU (``load_rgb``: PIL; ``load_rgb_tensor``: ``torchvision.io``), a file's bytes and its
+header size. Every failure raises ``DataError`` naming the file."""
 
 from __future__ import annotations
 
@@ -49,9 +44,6 @@ _TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
 
 def load_rgb_tensor(path: str) -> Tensor:
     """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats).
-
-    ``torchvision.io`` decodes JPEG with libjpeg-turbo straight into a tensor, and the random crop
-    and resize then run on uint8 tensors: no PIL image is made.
 
     Raises:
         DataError: The file cannot be read or decoded; the message names it.
@@ -113,8 +105,7 @@ def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
 
 # Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# Most JPEGs' frame header comes within their first kilobytes; after EXIF (up to 64 KiB) or a colour
-# profile it comes later, so a first short read is followed by a longer one when it holds no frame header.
+# After EXIF (up to 64 KiB) or a colour profile the frame header comes later than the first read.
 _FIRST_READ, _HEADER_BYTES = 1 << 12, 1 << 16
 
 
@@ -153,9 +144,8 @@ def image_size(path: str) -> tuple[int, int]:
 
 
 def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
-    """``(height, width)`` from an encoded image's header. A JPEG's frame header is read directly from its
-    first bytes; other formats, and JPEGs whose frame header comes later, are opened with PIL, which reads no
-    more than the header either."""
+    """``(height, width)`` from an encoded image's header: a JPEG's frame header, else PIL's (which reads the header
+    alone)."""
     try:
         head = stream.read(_FIRST_READ)
         if head[:3] == JPEG_MAGIC:
@@ -173,8 +163,7 @@ def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
 
 
 class _HeaderSizes(torch.utils.data.IterableDataset):
-    """``(indices, int32 (N, 2) sizes)`` for chunks of an order of samples, read in a loader worker; zeros where a
-    header cannot be read (``ImageSizes.get`` names the file when its batch is made)."""
+    """``(indices, int32 (N, 2) sizes)`` for chunks of an order of samples; zeros where a header cannot be read."""
 
     def __init__(self, samples: SampleTable, order: np.ndarray, chunk: int) -> None:
         self.samples, self.order, self.chunk = samples, order, chunk
@@ -194,12 +183,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
 class ImageSizes:
     """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
 
-    ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a loader
-    worker process read the headers of an order of samples ahead of the ``get`` calls that will need
-    them, so that nothing is read for the whole table before its first batch, and the reading takes
-    no time from the training process's threads. The reading stays at most ``LEAD`` headers ahead of the
-    samples ``get`` was asked for since (plus the worker's ``AHEAD`` chunks in flight): it does not open a
-    pass's files all at once while the batches open them too. A header that cannot be read is named by ``get``.
+    ``read_ahead`` has a loader worker process read the headers of an order of samples, at most ``LEAD`` ahead of
+    the samples ``get`` was asked for since, so that the training process's threads do not wait on them.
 
     Args:
         samples: ``(path, label)`` samples (a ``SampleTable``).
@@ -232,8 +217,7 @@ class ImageSizes:
         return self.sizes[indices]
 
     def read_ahead(self, order: np.ndarray) -> None:
-        """Starts reading the headers of samples ``order`` not read yet, in that order, in a loader worker; the last
-        such reading stops."""
+        """Starts reading the headers of samples ``order`` not read yet, in order; the last such reading stops."""
         self.stop()
         order = np.asarray(order, dtype=np.int64)
         order = order[self.sizes[order, 0] == 0]
@@ -269,7 +253,7 @@ class ImageSizes:
                 found = sizes[:, 0] > 0
                 self.sizes[indices[found]] = sizes[found]
                 taken += len(indices)
-                with self._moved:  # the worker fills its queue of chunks meanwhile, then waits for this thread
+                with self._moved:
                     while not done.is_set() and taken - self._asked > self.LEAD:
                         self._moved.wait()
                 if done.is_set():

@@ -1,18 +1,9 @@
 """The samples of a split as numpy arrays, and the index file that later runs read instead of walking the folders.
 
-``SampleTable`` holds a split's ``(path, label)`` samples as three arrays: every relative path end to
-end in one bytes buffer, the offsets into it, and the labels. Loader workers forked from the training
-process share such arrays without copying them; a Python list of tuples is copied page by page into
-every worker as its reference counts and the garbage collector touch it.
-
-``read_index`` and ``write_index`` keep a scanned split in one file: the table, the class names and
-the modification time of every folder scanned. A folder's time changes whenever an entry is added to
-it, removed or renamed, so an index whose folders all keep their times still lists the folder's
-files; one of them changed, added or gone means a rescan. What the times cannot show is a file
-rewritten in place (emptied or corrupted): such a file is still named, as any bad file is, when it
-is read. ``cached_scan`` reads the index under a lock, scans when it is missing or stale, and writes
-the new one atomically (a temporary file renamed over it), so that one process scans while the
-others of a node wait for its file, and two nodes writing one index at once leave a whole one.
+Loader workers forked from the training process share a ``SampleTable``'s arrays without copying them (a list of
+tuples would be copied page by page as reference counts touch it). The index keeps a scanned split with the
+modification time of every folder scanned: an entry added, removed or renamed changes its folder's time and
+means a rescan. A file rewritten in place is not seen, and is named when it is read, as any bad file is.
 """
 
 from __future__ import annotations
@@ -35,8 +26,7 @@ import numpy as np
 #: The layout of the index file; an index of another layout is scanned again.
 INDEX_VERSION = 1
 _MAGIC = b"LITIMGIX"
-# A folder modified this close to the start of its scan may be modified again without its time changing
-# (file systems keep times in steps of up to 2 s): no index is written for it.
+# A folder modified this close to its scan may change again with the same time (times in steps of up to 2 s).
 _RACE_NS = 2_000_000_000
 
 
@@ -57,7 +47,7 @@ class SampleTable(Sequence[tuple[str, int]]):
         self.names = names
         self.offsets = offsets
         self.labels = labels
-        self._ascii: str | None = None  # the names as one string, made when first needed, if they are ASCII
+        self._ascii: str | None = None  # the names as one string, if they are ASCII
 
     @classmethod
     def from_pairs(cls, root: str | os.PathLike[str], pairs: Iterable[tuple[str, int]]) -> SampleTable:
@@ -109,7 +99,7 @@ class SampleTable(Sequence[tuple[str, int]]):
         return os.path.join(self.root, self.relative(index)) if self.root else self.relative(index)
 
     def paths(self, indices: Iterable[int] | np.ndarray) -> list[str]:
-        """The paths of the samples ``indices``, in their order (a few hundred nanoseconds each)."""
+        """The paths of the samples ``indices``, in their order."""
         where = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
         starts, ends = self.offsets[where].tolist(), self.offsets[where + 1].tolist()
         prefix = os.path.join(self.root, "") if self.root else ""
@@ -137,11 +127,8 @@ class SampleTable(Sequence[tuple[str, int]]):
 
 @dataclass
 class Scan:
-    """A scanned split: its class names, its samples, and the modification time of each folder read.
-
-    ``folders`` maps each folder's path relative to the split (``"."`` for the split itself) to its
-    ``st_mtime_ns`` when it was listed; ``started_ns`` is the wall clock when the scan began.
-    """
+    """A scanned split: its class names, its samples, the ``st_mtime_ns`` of each folder read (by its path relative
+    to the split, ``"."`` for the split) and the wall clock when the scan began."""
 
     classes: list[str]
     samples: SampleTable
@@ -187,7 +174,7 @@ def write_index(path: str | os.PathLike[str], scan: Scan) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # readable by the other users of a shared cache, as files written there usually are
+        os.fchmod(fd, 0o644)  # readable by the other users of a shared cache
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + len(head).to_bytes(8, "little") + head + payload)
             f.flush()
@@ -286,9 +273,8 @@ def _warn(message: str) -> None:
 def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], Scan]) -> Scan:
     """``scan(split_dir)``, or the index of an earlier scan in ``index_dir`` when the folders did not change.
 
-    Under a lock on the index, so that of the processes starting together one scans and the others
-    read what it wrote. A damaged index costs one warning line and a scan; a folder where no index can
-    be written, one warning line for all its splits. ``index_dir`` ``None`` scans every time.
+    Under a lock on the index, so that of the processes starting together one scans and the others read its
+    file. A damaged or unwritable index costs one warning line. ``index_dir`` ``None`` scans every time.
     """
     if index_dir is None:
         return scan(split_dir)

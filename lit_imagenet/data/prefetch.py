@@ -1,23 +1,9 @@
 """Batches that reach the GPU already normalised, one step ahead of the compute.
 
-The idea is NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers
-collate uint8 images, which are a quarter of the bytes of float32; the main process copies batch
-N+1 to the GPU on a side CUDA stream, converts it to float and normalises it there while the
-default stream still computes batch N; the hand-over makes the default stream wait for the side
-stream and records the tensors on it, so the caching allocator does not recycle their memory too
-early.
-
-Page-locked (pinned) host memory makes those copies asynchronous. Torch's caching host allocator
-rounds each block up to a power of two and keeps it for reuse, so a run holds as many blocks as it
-ever had batches pinned at once. ``DataLoader``'s pin thread pins every batch as soon as a worker hands
-it over: with 15 workers two batches ahead and batches of 256, the training process held 31 blocks of
-64 MiB (1.9 GiB) on an H200. On CUDA the prefetcher pins instead, in its own thread, only the batches
-it is about to copy: a few blocks.
-
-``PrefetchLoader`` is a ``DataLoader``, so Lightning injects its ``DistributedSampler`` and calls
-``set_epoch`` on it as for any loader. Its ``device`` is set by the ``CUDAPrefetch`` callback (here,
-below the LightningModule, which attaches it); on anything but a CUDA device it iterates like a plain
-``DataLoader`` and the model normalises the uint8 batch itself after Lightning's transfer.
+The idea of NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers collate uint8
+images; the next batch is copied to the GPU and normalised there on a side stream while the current one trains;
+the hand-over makes the training stream wait for the side stream and records the tensors on it. On anything but a
+CUDA device ``PrefetchLoader`` iterates like a plain ``DataLoader`` and the model normalises the uint8 batch.
 """
 
 from __future__ import annotations
@@ -37,7 +23,6 @@ from typing_extensions import override
 from lit_imagenet.compat import stop_workers
 from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.data.samplers import moves_by_epoch
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -70,26 +55,10 @@ def _record(batch: Any, stream: torch.cuda.Stream) -> None:
 class CUDAPrefetcher:
     """Iterates ``source`` ahead of the training loop, copying and normalising each batch on a side stream.
 
-    A batch is a list or tuple whose first element is a uint8 image tensor; every tensor in it is
-    moved to ``device``, and the images are normalised to float32. Such batches are prepared one
-    step ahead.
-
-    A batch with a ``decode(device)`` method (an ``EncodedBatch`` of JPEGs for nvJPEG) is decoded in
-    a background thread, on a stream of its own: nvJPEG's batched decode blocks the calling thread
-    until the GPU has finished, and done inline that wait would stall the launching of the current
-    training step. Up to ``decode_ahead`` batches are queued for that thread, so that a batch which
-    takes longer than a step to decode is made up by the next ones. Decoded batches wait in uint8;
-    the hand-over makes the training stream wait for the batch's work on the device (not on the
-    host) and normalises it there.
-
-    With ``pin``, batches are not expected in page-locked memory: that thread pins each one (those
-    already pinned are kept as they are), copies it to the device and normalises it on its stream, up to
-    ``decode_ahead`` batches ahead, so that only those batches are pinned at any time, and the training
-    stream only waits for them.
-
-    In a profiler trace the host side shows as ``prefetch: next batch`` (waiting for the loader),
-    ``prefetch: wait for decode`` (the training loop waiting for the decode thread) and
-    ``prefetch: decode`` (the decode thread's work, pinning and copying included).
+    A batch is a list or tuple whose first element is a uint8 image tensor; its tensors go to ``device`` and its
+    images are normalised to float32, one step ahead. A batch with a ``decode(device)`` method (an ``EncodedBatch``
+    for nvJPEG), and with ``pin`` every batch, is pinned, copied and decoded in a thread of its own on a stream of
+    its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode blocks its calling thread until the GPU is done.
     """
 
     def __init__(
@@ -108,7 +77,6 @@ class CUDAPrefetcher:
         self.decode_ahead = decode_ahead
         self.pin = pin
         self.stream = torch.cuda.Stream(device=device)
-        # The constants were copied to the device on the current stream; the side stream reads them.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
@@ -186,9 +154,8 @@ class CUDAPrefetcher:
 class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
 
-    With a CUDA ``device``, ``pin_memory=True`` is carried out by the prefetcher, batch by batch as it
-    copies them (``CUDAPrefetcher``'s ``pin``): ``DataLoader`` gets ``pin_memory=False``, so that it starts
-    no pin thread, and ``pins_in_prefetcher`` is set.
+    On CUDA, ``pin_memory=True`` is left to the prefetcher, which pins only the batches it is about to copy
+    (``pins_in_prefetcher``), where ``DataLoader``'s pin thread would pin every batch the workers hand over.
 
     Args:
         *args: Passed to ``DataLoader``.
@@ -216,29 +183,20 @@ class PrefetchLoader(DataLoader):
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.decode_ahead = decode_ahead
-        self._next_epoch: tuple[int, Iterator[Any]] | None = None
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 
     def _prefetches(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
     def stop_workers(self) -> None:
-        """Stops the worker processes of the pass under way, unless they are persistent; the next pass starts others.
-
-        A pass stops them itself once it has its last batch; this is for a pass that ends earlier
-        (``--trainer.limit_val_batches``, the sanity check): ``CUDAPrefetch`` calls it at each
-        evaluation's end.
-        """
+        """Stops the workers of a pass that ended before its last batch (``limit_val_batches``, the sanity check),
+        unless they are persistent."""
         source, self._pass_workers = self._pass_workers, None
         if source is not None:
             stop_workers(source)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with.
-
-        Where in the epoch to resume is not kept here (this loader runs ahead of training); the data
-        module reads it from the trainer's restored progress.
-        """
+        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with."""
         seed = getattr(self.sampler, "seed", None)
         return {} if seed is None else {"seed": int(seed)}
 
@@ -246,63 +204,26 @@ class PrefetchLoader(DataLoader):
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])
 
-    def _stops_workers_with_each_pass(self) -> bool:
-        return not self.persistent_workers and self.num_workers > 0
-
-    def _starts_next_epoch_early(self) -> bool:
-        # Only a shuffling sampler that knows its epoch (a training sampler) is moved on, and only
-        # persistent workers keep decoding between two iterations.
-        return self.persistent_workers and moves_by_epoch(self.sampler)
-
-    def _start_next_epoch(self) -> None:
-        epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
-        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        self._next_epoch = (epoch, self._new_pass())
-
-    def _new_pass(self) -> Iterator[Any]:
-        with forks_skip_parent_garbage():  # DataLoader's iterator forks the workers (once, for persistent ones)
-            return super().__iter__()
-
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
-        """Yields the pass's batches; on its last one, starts the workers on the next epoch or stops them.
-
-        Lightning stops asking once it has the pass's last batch (it counts them), so the loader's
-        iterator never runs out by itself. Persistent training workers would sit idle through
-        validation and checkpointing and start the next epoch only when asked, with the GPU waiting
-        for its first batches: started here, they decode during that time instead. Workers that are not
-        persistent (evaluation's, by default) would live on, holding their memory, until the next pass
-        replaced the iterator: they are stopped here, once the last batch is in hand.
-        """
-        early = self._starts_next_epoch_early()
-        total = len(self) if early or self._stops_workers_with_each_pass() else -1
-        count = 0
-        for batch in source:
-            count += 1
+        """Yields the pass's batches; at the last one (Lightning asks for no more), stops the workers of a pass that
+        does not keep them (evaluation's, by default), which would otherwise hold their memory until the next pass."""
+        total = len(self)
+        for count, batch in enumerate(source, 1):
             if count == total:
-                if early:
-                    # The loader's iterator is the persistent one: once it is moved on to the next
-                    # epoch, this pass must not ask it for more.
-                    self._start_next_epoch()
-                else:
-                    stop_workers(source)
-                    if self._pass_workers is source:
-                        self._pass_workers = None
+                stop_workers(source)
+                if self._pass_workers is source:
+                    self._pass_workers = None
                 yield batch
                 return
             yield batch
-        if early and count > 0:  # a shorter pass (resumed part-way) ran out
-            self._start_next_epoch()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        early, self._next_epoch = self._next_epoch, None
-        if early is not None and early[0] == getattr(self.sampler, "epoch", None):
-            source = early[1]  # started when the last epoch ran out, for the epoch asked for now
-        else:
-            source = self._new_pass()
-        if self._stops_workers_with_each_pass():
+        with forks_skip_parent_garbage():  # DataLoader's iterator forks the workers (once, for persistent ones)
+            source = super().__iter__()
+        if not self.persistent_workers and self.num_workers > 0:
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
-        source = self._epoch(source)
+            source = self._epoch(source)
         if not self._prefetches():
             return source
         normalize = Uint8Normalize(self.mean, self.std)
@@ -312,20 +233,9 @@ class PrefetchLoader(DataLoader):
 class CUDAPrefetch(pl.Callback):
     """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
 
-    Lightning creates the loaders and draws their first batch before any epoch-start hook runs, so
-    the device is handed to the data module in ``setup``; the data module's ``PrefetchLoader`` then
-    copies and normalises each batch on a side stream, one step ahead. On other devices nothing
-    changes and the model normalises the uint8 batches itself. A data module takes part by having a
-    ``prefetch_device`` attribute.
-
-    At the end of each validation, test and prediction it stops the worker processes of that pass
-    (``PrefetchLoader.stop_workers``) unless they are persistent, also when the pass read fewer
-    batches than its loader has (the sanity check, ``limit_val_batches``): training then runs with
-    its own workers alone.
-
-    ``ImageClassifier`` attaches it (``configure_callbacks``), so a plain ``Trainer().fit(model, data)``
-    prefetches; on the command line ``--prefetch.enabled`` configures that one. A ``CUDAPrefetch`` given
-    to the Trainer takes its place.
+    Lightning creates the loaders before any epoch-start hook, so the device is handed to the data module (one
+    with a ``prefetch_device`` attribute) in ``setup``. At the end of each evaluation it stops that pass's workers
+    unless they are persistent. ``ImageClassifier`` attaches it; one given to the Trainer takes its place.
 
     Args:
         enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
