@@ -1,11 +1,11 @@
 """The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
 
 import gc
+import math
 import os
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.data.crops import crop_draws, crop_window, crop_windows, flips
+from lit_imagenet.data.crops import CROP_RATIO, CROP_TRIES, CropBox, crop_draws, crop_windows, flips
 from lit_imagenet.data.dali.loader import DALILoader, batch_dtype, dali_install_command
 from lit_imagenet.data.datamodule import ImageFolderDataModule, choose_decoder
 from lit_imagenet.data.prefetch import PrefetchLoader
@@ -29,6 +29,28 @@ from tests.test_resume import _start, kill_when
 
 STD_255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 SIZES = [(40, 50), (61, 37), (120, 45), (45, 120), (33, 33), (200, 20), (57, 43), (64, 64)]  # (width, height)
+
+
+def reference_crop_window(height: int, width: int, draws: np.ndarray, ratio=CROP_RATIO) -> tuple[int, ...]:
+    """RandomResizedCrop's rule restated one image at a time: the first try that fits, placed at random; else the
+    largest centred box with an aspect ratio in ``ratio``."""
+    area = float(height) * float(width)
+    for k in range(CROP_TRIES):
+        s, r = draws[k], draws[CROP_TRIES + k]
+        w = math.floor(math.sqrt(area * s * r) + 0.5)
+        h = math.floor(math.sqrt(area * s / r) + 0.5)
+        if 0 < w <= width and 0 < h <= height:
+            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
+            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
+            return (top, left, h, w)
+    w = min(width, math.floor(height * ratio[1] + 0.5))
+    h = min(height, math.floor(width / ratio[0] + 0.5))
+    return ((height - h) // 2, (width - w) // 2, h, w)
+
+
+def crop_window(height: int, width: int, draws: np.ndarray) -> CropBox:
+    """The package's crop of one image."""
+    return CropBox(*crop_windows(np.array([[height, width]]), draws[None])[0].tolist())
 
 
 def levels(normalised: torch.Tensor, reference_uint8: torch.Tensor) -> torch.Tensor:
@@ -112,7 +134,7 @@ def test_training_batches_are_the_drawn_crops(varied_root: Path, scale) -> None:
 
 
 def test_crop_windows_equal_crop_window_image_by_image() -> None:
-    """The batch computation of the pipeline's crop windows equals ``crop_window``, the fallback included."""
+    """The batch computation of the crop windows equals RandomResizedCrop's rule, the fallback included."""
     rng = np.random.default_rng(1)
     n = 4096
     sizes = np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n)], 1).astype(np.int32)
@@ -121,7 +143,7 @@ def test_crop_windows_equal_crop_window_image_by_image() -> None:
     draws[64:512, :10] = 0.95 + 0.05 * draws[64:512, :10]  # large areas: some tries fail before one fits
 
     boxes = crop_windows(sizes, draws)
-    expected = [tuple(crop_window(int(h), int(w), d)) for (h, w), d in zip(sizes, draws)]
+    expected = [reference_crop_window(int(h), int(w), d) for (h, w), d in zip(sizes, draws)]
     assert [tuple(int(v) for v in box) for box in boxes] == expected
     assert all(b[0] == 0 and b[2] == h for b, (h, _) in zip(expected[:64], sizes))  # the fallback was taken
     area = sizes[64:512, 0].astype(float) * sizes[64:512, 1]
@@ -161,42 +183,27 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
         sizes.get(np.array([0, len(paths), 1]))
 
 
-def test_image_sizes_read_ahead_stays_a_lead_ahead_of_the_samples_asked_for(
+def test_image_sizes_take_the_read_ahead_headers_as_they_are_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The reading ahead opens a bounded number of headers beyond the samples asked for, not a whole pass's."""
+    """The reading worker's chunks are taken as the samples asked for reach them; the first ``start`` are read by
+    ``get`` itself."""
     from lit_imagenet.data.images import ImageSizes
     from lit_imagenet.data.index import SampleTable
 
     monkeypatch.setattr(ImageSizes, "CHUNK", 64)
-    monkeypatch.setattr(ImageSizes, "AHEAD", 2)
-    monkeypatch.setattr(ImageSizes, "LEAD", 512, raising=False)
     paths = []
     for k in range(4):
         Image.new("RGB", (30 + k, 20 + k)).save(tmp_path / f"{k}.jpg")
         paths.append(str(tmp_path / f"{k}.jpg"))
     count = 6_000
     sizes = ImageSizes(SampleTable.from_pairs(tmp_path, [(paths[i % 4], 0) for i in range(count)]))
-
-    def read_when_still() -> int:
-        last, still_since = -1, 0.0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            now = int((sizes.sizes[:, 0] > 0).sum())
-            if now != last:
-                last, still_since = now, time.monotonic()
-            elif time.monotonic() - still_since > 1.5:
-                return now
-            time.sleep(0.05)
-        raise AssertionError("the reading did not settle")
-
-    sizes.read_ahead(np.arange(count))
+    sizes.read_ahead(np.arange(count), start=100)
     try:
-        first = read_when_still()
-        assert 512 <= first <= 512 + 64, first  # a lead of 512, and the chunk that passed it
-        sizes.get(np.arange(1_000))  # reads nothing itself: all were read ahead
-        second = read_when_still()
-        assert 1_000 + 512 <= second <= 1_000 + 512 + 64, second
+        sizes.get(np.arange(100))
+        assert int((sizes.sizes[:, 0] > 0).sum()) == 100  # read here: nothing taken from the worker yet
+        sizes.get(np.arange(100, 1_000))
+        assert int((sizes.sizes[:, 0] > 0).sum()) == 100 + 15 * 64  # whole chunks, up to the samples asked for
     finally:
         sizes.stop()
     assert sizes.get(np.arange(count)).tolist() == [[20 + i % 4, 30 + i % 4] for i in range(count)]

@@ -57,32 +57,10 @@ def crop_draws(
     return out
 
 
-def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> CropBox:
-    """RandomResizedCrop's box in a ``height`` x ``width`` image for one row of ``crop_draws``: the first try that
-    fits, placed at random; when none fits, the largest centred box with an aspect ratio in ``ratio``.
-
-    Args:
-        height: Image height in pixels.
-        width: Image width in pixels.
-        draws: One row of ``crop_draws``.
-        ratio: The aspect ratio range the draws were made for.
-    """
-    area = float(height) * float(width)
-    for k in range(CROP_TRIES):
-        s, r = draws[k], draws[CROP_TRIES + k]
-        w = math.floor(math.sqrt(area * s * r) + 0.5)
-        h = math.floor(math.sqrt(area * s / r) + 0.5)
-        if 0 < w <= width and 0 < h <= height:
-            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
-            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
-            return CropBox(top, left, h, w)
-    w = min(width, math.floor(height * ratio[1] + 0.5))
-    h = min(height, math.floor(width / ratio[0] + 0.5))
-    return CropBox((height - h) // 2, (width - w) // 2, h, w)
-
-
 def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
-    """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
+    """RandomResizedCrop's boxes for rows of ``crop_draws``: the first try that fits, placed at random; when none
+    fits, the largest centred box with an aspect ratio in ``ratio``. An int32 ``(N, 4)`` array of ``(top, left,
+    height, width)``.
 
     Args:
         sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
@@ -121,7 +99,8 @@ def crop_and_flip(height: int, width: int, seed: int | None, scale: tuple[float,
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     draws = crop_draws([seed], scale)
-    return crop_window(height, width, draws[0]), bool(flips(draws)[0])
+    box = crop_windows(np.array([[height, width]]), draws)[0].tolist()
+    return CropBox(*box), bool(flips(draws)[0])
 
 
 def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:

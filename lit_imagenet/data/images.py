@@ -4,7 +4,6 @@ header size. Every failure raises ``DataError`` naming the file."""
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -183,8 +182,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
 class ImageSizes:
     """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
 
-    ``read_ahead`` has a loader worker process read the headers of an order of samples, at most ``LEAD`` ahead of
-    the samples ``get`` was asked for since, so that the training process's threads do not wait on them.
+    ``read_ahead`` has a loader worker process read the headers of an order of samples, ``AHEAD`` chunks ahead of
+    the chunks ``get`` takes from it, so that the training process does not wait on them.
 
     Args:
         samples: ``(path, label)`` samples (a ``SampleTable``).
@@ -192,15 +191,12 @@ class ImageSizes:
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
     CHUNK, AHEAD = 256, 16
-    #: Headers the chunks taken from the worker may lead the samples asked for by.
-    LEAD = 16_384
 
     def __init__(self, samples: SampleTable) -> None:
         self.samples = samples
         self.sizes = np.zeros((len(samples), 2), dtype=np.int32)  # 0: not read yet
-        self._ahead: tuple[threading.Thread, threading.Event] | None = None
-        self._moved = threading.Condition()  # notified when samples are asked for, or the reading is to stop
-        self._asked = 0  # samples asked for since the reading started
+        self._chunks: Iterator[tuple[np.ndarray, np.ndarray]] | None = None
+        self._lead = 0  # samples taken from the worker, less those asked for since ``read_ahead``
 
     def get(self, indices: np.ndarray) -> np.ndarray:
         """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
@@ -209,59 +205,38 @@ class ImageSizes:
             DataError: A header cannot be read; the message names the file.
         """
         indices = np.asarray(indices, dtype=np.int64)
-        with self._moved:
-            self._asked += len(indices)
-            self._moved.notify_all()
+        self._lead -= len(indices)
+        while self._chunks is not None and self._lead < 0:
+            try:
+                taken, sizes = next(self._chunks)
+            except (StopIteration, RuntimeError):  # all read, or the worker went away: the rest is read here
+                self._chunks = None
+                break
+            found = sizes[:, 0] > 0
+            self.sizes[taken[found]] = sizes[found]
+            self._lead += len(taken)
         for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
             self.sizes[i] = image_size(self.samples.path(i))
         return self.sizes[indices]
 
-    def read_ahead(self, order: np.ndarray) -> None:
-        """Starts reading the headers of samples ``order`` not read yet, in order; the last such reading stops."""
+    def read_ahead(self, order: np.ndarray, start: int = 0) -> None:
+        """Starts reading the headers of samples ``order[start:]`` not read yet, in order, for ``get`` calls that ask
+        for ``order`` from its start (the first ``start`` are read by ``get`` itself); the last such reading stops."""
         self.stop()
-        order = np.asarray(order, dtype=np.int64)
+        order = np.asarray(order[start:], dtype=np.int64)
         order = order[self.sizes[order, 0] == 0]
-        if len(order) == 0:
-            return
-        done = threading.Event()
-        with self._moved:
-            self._asked = 0
-        thread = threading.Thread(target=self._read, args=(order, done), daemon=True, name="image-sizes")
-        self._ahead = (thread, done)
-        thread.start()
+        self._lead = start
+        if len(order):
+            loader = torch.utils.data.DataLoader(
+                _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
+                prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
+            )  # fmt: skip
+            with forks_skip_parent_garbage():
+                self._chunks = iter(loader)
 
     def stop(self) -> None:
         """Stops the reading ahead, if it runs, and its worker."""
-        if self._ahead is not None:
-            thread, done = self._ahead
-            with self._moved:
-                done.set()
-                self._moved.notify_all()
-            thread.join()
-            self._ahead = None
-
-    def _read(self, order: np.ndarray, done: threading.Event) -> None:
-        loader = torch.utils.data.DataLoader(
-            _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
-            prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
-        )  # fmt: skip
-        with forks_skip_parent_garbage():
-            chunks = iter(loader)
-        taken = 0
-        try:
-            for indices, sizes in chunks:
-                found = sizes[:, 0] > 0
-                self.sizes[indices[found]] = sizes[found]
-                taken += len(indices)
-                with self._moved:
-                    while not done.is_set() and taken - self._asked > self.LEAD:
-                        self._moved.wait()
-                if done.is_set():
-                    return
-        except Exception:  # the worker went away (the process is ending): get reads what it needs
-            return
-        finally:
-            del chunks  # stops the worker
+        self._chunks = None
 
 
 def gpu_decodable(data: Tensor) -> bool:

@@ -179,7 +179,7 @@ class DALILoader:
         if seeds is not None:
             source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
             # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
-            self._sizes.read_ahead(indices[(1 + _BATCHES_AHEAD) * self.batch_size :])
+            self._sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
         try:
