@@ -10,7 +10,6 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.data import folders
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.datasets import collate_uint8
 from lit_imagenet.data.images import load_rgb, load_rgb_tensor
@@ -351,21 +350,6 @@ def test_loader_workers_leave_the_parents_garbage_alone(tmp_path: Path) -> None:
     """A worker's collector must not free the parent's cycles: a DALI pipeline's destructor there ends the worker."""
     loader = PrefetchLoader(_CollectsGarbage(), batch_size=2, num_workers=1)
     assert _freed_by(tmp_path / "freed", lambda: list(loader)) == [str(os.getpid())]
-
-
-_walk_class = folders._walk_class
-
-
-def _walk_and_collect(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
-    gc.collect()
-    return _walk_class(split_dir, name)
-
-
-def test_the_scan_processes_leave_the_parents_garbage_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _make_split(tmp_path, "train", {f"c{k:02d}": 1 for k in range(64)})  # enough classes for processes
-    monkeypatch.setattr(folders, "_walk_class", _walk_and_collect)
-    freed = _freed_by(tmp_path / "freed", lambda: folders.scan_split(tmp_path / "train", processes=2))
-    assert freed == [str(os.getpid())]
 
 
 def test_on_cuda_the_prefetcher_pins_and_the_loader_starts_no_pin_thread(shapes_root: Path) -> None:

@@ -6,17 +6,13 @@ stop the run before training with a ``DataError`` naming the thing. Scans are ke
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable, Scan, cached_scan
 from lit_imagenet.errors import DataError, undecodable_image
 
@@ -76,23 +72,8 @@ def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]
     return names, folders
 
 
-def _walk_classes(split_dir: str, classes: list[str], processes: int) -> list[tuple[list[bytes], dict[str, int]]]:
-    """``_walk_class`` of each class folder, in order; in ``processes`` forked processes (Linux) where there are many,
-    which wait on the file system's ``stat`` calls together."""
-    if processes > 1 and len(classes) >= 64 and sys.platform.startswith("linux"):
-        context = multiprocessing.get_context("fork")
-        chunk = max(1, len(classes) // (4 * processes))
-        with forks_skip_parent_garbage(), ProcessPoolExecutor(min(processes, len(classes)), mp_context=context) as pool:
-            return list(pool.map(_walk_class, [split_dir] * len(classes), classes, chunksize=chunk))
-    return [_walk_class(split_dir, name) for name in classes]
-
-
-def scan_split(split_dir: str | Path, processes: int | None = None) -> Scan:
+def scan_split(split_dir: str | Path) -> Scan:
     """The class names of an ImageFolder split, its samples and the times of its folders.
-
-    Args:
-        split_dir: The split's folder.
-        processes: How many processes walk the class folders (``None``: one per CPU, 16 at most).
 
     Raises:
         DataError: The folder is missing, has no class folders, or a class folder holds no image,
@@ -106,11 +87,9 @@ def scan_split(split_dir: str | Path, processes: int | None = None) -> Scan:
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
-    if processes is None:
-        processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     names: list[bytes] = []
     counts = []
-    for class_names, class_folders in _walk_classes(str(split_dir), classes, processes):
+    for class_names, class_folders in (_walk_class(str(split_dir), name) for name in classes):
         names += class_names
         folders.update(class_folders)
         counts.append(len(class_names))

@@ -94,39 +94,12 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
 
 
 def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image held in memory, without decoding it.
+    """``(height, width)`` from the header of an encoded image held in memory.
 
     Raises:
         DataError: The header cannot be read; the message names the file.
     """
     return _header_size(io.BytesIO(data.numpy().tobytes()), path)
-
-
-# Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# After EXIF (up to 64 KiB) or a colour profile the frame header comes later than the first read.
-_FIRST_READ, _HEADER_BYTES = 1 << 12, 1 << 16
-
-
-def _jpeg_frame_size(head: bytes) -> tuple[int, int] | None:
-    """``(height, width)`` from the start-of-frame segment of a JPEG's first bytes, or None if not in them."""
-    pos = 2
-    while pos + 9 <= len(head):
-        if head[pos] != 0xFF:
-            return None
-        marker = head[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in _SOF_MARKERS:
-            height = int.from_bytes(head[pos + 5 : pos + 7], "big")
-            width = int.from_bytes(head[pos + 7 : pos + 9], "big")
-            return (height, width) if height > 0 and width > 0 else None
-        if marker == 0xD8 or 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
-            pos += 2
-            continue
-        pos += 2 + int.from_bytes(head[pos + 2 : pos + 4], "big")
-    return None
 
 
 def image_size(path: str) -> tuple[int, int]:
@@ -143,18 +116,8 @@ def image_size(path: str) -> tuple[int, int]:
 
 
 def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
-    """``(height, width)`` from an encoded image's header: a JPEG's frame header, else PIL's (which reads the header
-    alone)."""
     try:
-        head = stream.read(_FIRST_READ)
-        if head[:3] == JPEG_MAGIC:
-            if (size := _jpeg_frame_size(head)) is None and len(head) == _FIRST_READ:
-                head += stream.read(_HEADER_BYTES - _FIRST_READ)
-                size = _jpeg_frame_size(head)
-            if size is not None:
-                return size
-        stream.seek(0)
-        with Image.open(stream) as img:
+        with Image.open(stream) as img:  # reads the header alone
             width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None

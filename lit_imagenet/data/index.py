@@ -9,6 +9,7 @@ means a rescan. A file rewritten in place is not seen, and is named when it is r
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, overload
+from typing import overload
 
 import numpy as np
 
@@ -241,26 +242,18 @@ def read_index(path: str | os.PathLike[str], split_dir: str | os.PathLike[str]) 
 def _locked(path: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``path`` (created if need be), where the file system has locks; else none."""
     try:
-        import fcntl
-    except ImportError:  # not a POSIX system: no lock, the atomic rename still keeps the index whole
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "ab")  # noqa: SIM115  (held until the end of the block)
+    except OSError:  # an unwritable folder: writing the index fails too, with a warning
         yield
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f: IO[bytes] | None = open(path, "ab")  # noqa: SIM115  (held until the end of the block)
-    except OSError:
-        f = None
-    if f is not None:
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks (ENOLCK, EOPNOTSUPP): go on without
+        except OSError as err:  # a file system without locks: go on without
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-    try:
         yield
-    finally:
-        if f is not None:
-            f.close()  # releases the lock
 
 
 _warned_unwritable: set[Path] = set()

@@ -36,10 +36,8 @@ class EncodedImage(NamedTuple):
 
 def gpu_share_picks(index: int, share: float) -> bool:
     """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
-    if share >= 1.0:
-        return True
-    if share <= 0.0:
-        return False
+    if share >= 1.0 or share <= 0.0:
+        return share >= 1.0
     return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
 
 
@@ -98,12 +96,10 @@ class EncodedBatch:
 
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
-        blob: uint8, the encoded files of the images to decode on the device, one after the other.
-        lengths: The length in bytes of each of those files.
+        blob: uint8, the encoded files one after the other; ``lengths``: their sizes in bytes.
         crops: For each of them: the crop box, whether to mirror it, and its path.
-        encoded_positions: Their positions in the batch.
+        encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
         decoded: uint8 ``(M, 3, S, S)`` images the workers decoded already (or ``None``).
-        decoded_positions: Their positions in the batch.
         size: The side ``S`` of the output images.
         memory_format: Of the output batch.
     """
@@ -211,35 +207,20 @@ def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memor
     """Collates ``(EncodedImage or uint8 (3, S, S) tensor, label)`` pairs into an ``EncodedBatch``."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
-    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
-    encoded: list[EncodedImage] = []
-    encoded_positions: list[int] = []
-    decoded: list[Tensor] = []
-    decoded_positions: list[int] = []
-    size: int | None = None
-    for pos, (item, _) in enumerate(batch):
-        side = item.size if isinstance(item, EncodedImage) else int(item.shape[-1])
-        if size is None:
-            size = side
-        elif side != size:
-            raise ValueError(f"All images of a batch need one size. Image 0 is {size}, image {pos} is {side}")
-        if isinstance(item, EncodedImage):
-            encoded.append(item)
-            encoded_positions.append(pos)
-        else:
-            decoded.append(item)
-            decoded_positions.append(pos)
-    stacked = torch.stack(decoded) if decoded else None
-    assert size is not None
-    blob = torch.cat([item.data.reshape(-1) for item in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+    sides = [item.size if isinstance(item, EncodedImage) else int(item.shape[-1]) for item, _ in batch]
+    for pos, side in enumerate(sides):
+        if side != sides[0]:
+            raise ValueError(f"All images of a batch need one size. Image 0 is {sides[0]}, image {pos} is {side}")
+    encoded = [(pos, item) for pos, (item, _) in enumerate(batch) if isinstance(item, EncodedImage)]
+    decoded = [(pos, item) for pos, (item, _) in enumerate(batch) if not isinstance(item, EncodedImage)]
     return EncodedBatch(
-        targets,
-        blob,
-        [int(item.data.numel()) for item in encoded],
-        [(item.box, item.flip, item.path) for item in encoded],
-        encoded_positions,
-        stacked,
-        decoded_positions,
-        size,
-        memory_format,
+        targets=torch.tensor([int(t) for _, t in batch], dtype=torch.int64),
+        blob=torch.cat([item.data.reshape(-1) for _, item in encoded] or [torch.empty(0, dtype=torch.uint8)]),
+        lengths=[int(item.data.numel()) for _, item in encoded],
+        crops=[(item.box, item.flip, item.path) for _, item in encoded],
+        encoded_positions=[pos for pos, _ in encoded],
+        decoded=torch.stack([item for _, item in decoded]) if decoded else None,
+        decoded_positions=[pos for pos, _ in decoded],
+        size=sides[0],
+        memory_format=memory_format,
     )

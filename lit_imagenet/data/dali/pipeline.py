@@ -16,42 +16,37 @@ import torch
 from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips
 
 
-class GeometrySource:
-    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions.
+class _Source:
+    """An external source: per batch ``i``, the rows of ``indices`` (the samples the reader reads, in its order) that
+    it reads; like the reader, the last batch is padded with the last sample and the next starts over."""
 
-    Args:
-        indices: The samples the reader reads, in its order.
-        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
-        batch_size: Samples per batch.
-        resize: The short side after resizing.
-        crop: The side of the centre crop.
-    """
+    def __init__(self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int) -> None:
+        self.indices = indices
+        self.sizes = sizes  # ``(height, width)`` of samples (``images.ImageSizes.get``)
+        self.batch_size = batch_size
+        self.batches = max(1, math.ceil(len(indices) / batch_size))
+
+    def rows(self, iteration: int) -> np.ndarray:
+        start = (iteration % self.batches) * self.batch_size
+        return np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
+
+
+class GeometrySource(_Source):
+    """The external source of an evaluation pipeline: each batch's resized sizes and centre crop positions."""
 
     def __init__(
         self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int, resize: int, crop: int
     ) -> None:
-        self.indices = indices
-        self.sizes = sizes
-        self.batch_size = batch_size
+        super().__init__(indices, sizes, batch_size)
         self.resize, self.crop = resize, crop
-        self.batches = max(1, math.ceil(len(indices) / batch_size))
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
-        return eval_geometry(self.sizes(self.indices[rows]), self.resize, self.crop)
+        return eval_geometry(self.sizes(self.indices[self.rows(iteration)]), self.resize, self.crop)
 
 
-class CropSource:
-    """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
-
-    Args:
-        indices: The samples the reader reads, in its order.
-        seeds: Their augmentation seeds.
-        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
-        batch_size: Samples per batch.
-        scale: Range of the crop's area, as a fraction of the image.
-    """
+class CropSource(_Source):
+    """The external source of a training pipeline: each batch's crop windows and flips, from the samples' ``seeds``
+    (``crop_draws``) and the ``scale`` of their area."""
 
     def __init__(
         self,
@@ -61,17 +56,12 @@ class CropSource:
         batch_size: int,
         scale: tuple[float, float],
     ) -> None:
-        self.indices = indices
+        super().__init__(indices, sizes, batch_size)
         self.seeds = np.asarray(seeds, dtype=np.uint64)
-        self.sizes = sizes
-        self.batch_size = batch_size
         self.scale = scale
-        self.batches = max(1, math.ceil(len(self.seeds) / batch_size))
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # The reader pads the last batch with its last sample and then starts over: the same here.
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
+        rows = self.rows(iteration)
         draws = crop_draws(self.seeds[rows], self.scale)
         box = crop_windows(self.sizes(self.indices[rows]), draws)
         anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
@@ -94,12 +84,9 @@ def build_pipeline(
     std: Sequence[float],
     hw_decoder_load: float,
 ) -> Any:
-    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches.
-
-    A ``CropSource`` makes it a training pipeline (the source's crop windows, resized to ``crop_size``
-    squared, mirrored where the source says); a ``GeometrySource`` an evaluation one (the whole image
-    resized and centre-cropped as the source says). ``device_id`` ``None`` runs it on the CPU.
-    """
+    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches:
+    ``source``'s crops resized to ``crop_size`` squared and mirrored (a ``CropSource``), or the whole image resized
+    and centre-cropped (a ``GeometrySource``). ``device_id`` ``None`` runs it on the CPU."""
     from nvidia.dali import fn, pipeline_def, types
 
     cuda = device_id is not None
