@@ -104,17 +104,9 @@ def crop_and_flip(height: int, width: int, seed: int | None, scale: tuple[float,
 
 
 def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
-    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
-
-    Args:
-        sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
-        resize: The short side after resizing.
-        crop: The side of the centre crop.
-
-    Returns:
-        float32 ``(N, 2)`` arrays: the resized ``(width, height)``, and the crop's position as
-        ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``.
-    """
+    """torchvision's ``Resize(resize)`` then ``CenterCrop(crop)`` of images of ``(N, 2)`` heights and widths ``sizes``:
+    float32 ``(N, 2)`` arrays of the resized ``(width, height)`` and of the crop's position as
+    ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``."""
     height = sizes[:, 0].astype(np.float64)
     width = sizes[:, 1].astype(np.float64)
     wide = width >= height

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -26,26 +26,6 @@ from lit_imagenet.data.samplers import split_sampler
 from lit_imagenet.errors import ConfigError, DataError
 
 DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
-
-
-def decoder_dataset(
-    decoder: str,
-    samples: Sequence[tuple[str, int]],
-    transform: Callable[[Any], Any],
-    memory_format: torch.memory_format,
-    train: bool,
-    *,
-    crop_size: int,
-    crop_scale: tuple[float, float],
-    val_resize: int,
-    gpu_share: float,
-) -> tuple[ImageFolderDataset, Callable[..., Any]]:
-    """The dataset of ``samples`` for ``decoder`` (``auto`` resolved), and the collate function of its batches."""
-    if decoder == "nvjpeg":
-        dataset = EncodedImageFolderDataset(samples, transform, train, crop_size, crop_scale, val_resize, gpu_share)
-        return dataset, partial(collate_encoded, memory_format=memory_format)
-    loader = load_rgb_tensor if decoder == "torchvision" else load_rgb
-    return ImageFolderDataset(samples, transform, loader), partial(collate_uint8, memory_format=memory_format)
 
 
 def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
@@ -251,51 +231,37 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
         decoder = self.decoder_in_use()
         transform = self.train_transform() if train else self.eval_transform()
-        dataset, collate = decoder_dataset(
-            decoder, self.samples(split), transform, self._memory_format(), train, crop_size=self.crop_size,
-            crop_scale=self.crop_scale, val_resize=self.val_resize, gpu_share=self.gpu_share,
-        )  # fmt: skip
+        samples, memory_format = self.samples(split), self._memory_format()
+        if decoder == "nvjpeg":
+            dataset: ImageFolderDataset = EncodedImageFolderDataset(
+                samples, transform, train, self.crop_size, self.crop_scale, self.val_resize, self.gpu_share
+            )
+            collate = partial(collate_encoded, memory_format=memory_format)
+        else:
+            dataset = ImageFolderDataset(samples, transform, load_rgb_tensor if decoder == "torchvision" else load_rgb)
+            collate = partial(collate_uint8, memory_format=memory_format)
         saved = self._saved if train else None
         sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved)
         if decoder == "dali":
             return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            sampler=sampler,
-            num_workers=self.workers,
-            collate_fn=collate,
-            pin_memory=self.pin_memory and self._on_cuda(),
+            dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler, num_workers=self.workers,
+            collate_fn=collate, pin_memory=self.pin_memory and self._on_cuda(), drop_last=False,
             persistent_workers=self.workers > 0 and (train or self.persistent_eval_workers),
-            drop_last=False,
-            device=self.prefetch_device,
-            mean=self.mean,
-            std=self.std,
-            decode_ahead=self.gpu_decode_ahead,
-        )
+            device=self.prefetch_device, mean=self.mean, std=self.std, decode_ahead=self.gpu_decode_ahead,
+        )  # fmt: skip
 
     def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
         device = self.prefetch_device
         if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
             device = self.trainer.strategy.root_device
         return DALILoader(
-            self.samples(split),
-            self.batch_size,
-            train,
-            self.crop_size,
-            self.val_resize,
-            self.crop_scale,
-            threads=self._dali_threads(),
-            sampler=sampler,
-            device=device,
+            self.samples(split), self.batch_size, train, self.crop_size, self.val_resize, self.crop_scale,
+            threads=self._dali_threads(), sampler=sampler, device=device,
             channels_last=self._memory_format() == torch.channels_last,
-            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
-            mean=self.mean,
-            std=self.std,
-            hw_decoder_load=self.hw_decoder_load,
-            max_batches=None if train else self._batch_limit(stage),
-        )
+            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None), mean=self.mean,
+            std=self.std, hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
+        )  # fmt: skip
 
     def _dali_threads(self) -> int:
         if self.dali_threads is not None:

@@ -13,7 +13,6 @@ from torch.utils.data import Dataset
 
 from lit_imagenet.data.images import load_rgb
 from lit_imagenet.data.index import SampleTable
-from lit_imagenet.data.samplers import seeded_rng
 
 
 class ImageFolderDataset(Dataset):
@@ -43,11 +42,8 @@ class ImageFolderDataset(Dataset):
         index, seed = item if isinstance(item, tuple) else (item, None)
         path, target = self.samples[index]
         img = self.loader(path)
-        if getattr(self.transform, "takes_seed", False):
-            img = self.transform(img, seed)  # the crop rule of every decoder (presets.TrainCrop)
-        elif self.transform is not None:
-            with seeded_rng(seed):  # any other transform draws from torch's generator, seeded per sample
-                img = self.transform(img)
+        if self.transform is not None:
+            img = self.transform(img) if seed is None else self.transform(img, seed)  # presets.TrainCrop takes it
         return img, target
 
 

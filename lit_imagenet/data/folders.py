@@ -118,12 +118,8 @@ def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, o
 
 
 def scan_root(root: Path, index_dir: Path | None = None) -> tuple[list[str], dict[str, SampleTable]]:
-    """The classes of ``root/train`` and the samples of each split: ``train``, ``val`` and ``test`` when present.
-
-    Args:
-        root: The data folder.
-        index_dir: Where the splits' index files are kept (``lit_imagenet.data.index``); ``None``: none,
-            every split is scanned.
+    """The classes of ``root/train`` and the samples of each split (``train``, ``val``, and ``test`` when present),
+    read from the index files in ``index_dir`` where the folders did not change (``None``: scanned every time).
 
     Raises:
         DataError: ``root`` or a split is missing or malformed, or the splits' class folders differ.

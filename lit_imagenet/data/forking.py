@@ -1,8 +1,7 @@
 """Processes forked by the data path (loader workers, the folder scan) never collect the parent's garbage.
 
-A child forked within ``forks_skip_parent_garbage`` freezes what it inherited (``gc.freeze()``) first: a garbage
-cycle freed there would run destructors whose threads and handles are not in the child (a DALI pipeline freed in
-a worker ends it with a segmentation fault).
+A child forked within ``forks_skip_parent_garbage`` freezes what it inherited (``gc.freeze()``): a DALI pipeline
+freed by a worker's collector would end the worker with a segmentation fault.
 """
 
 from __future__ import annotations

@@ -254,11 +254,9 @@ class CUDAPrefetch(pl.Callback):
 
     @classmethod
     def _stop_workers(cls, loaders: Any) -> None:
-        if isinstance(loaders, PrefetchLoader):
-            loaders.stop_workers()
-        elif isinstance(loaders, (list, tuple, dict)):
-            for loader in loaders.values() if isinstance(loaders, dict) else loaders:
-                cls._stop_workers(loader)
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            if isinstance(loader, PrefetchLoader):
+                loader.stop_workers()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -55,9 +55,6 @@ class TrainCrop:
         scale: Range of the crop's area, as a fraction of the image.
     """
 
-    #: Datasets pass the sample's seed (``EpochSeededSampler``) as the second argument.
-    takes_seed = True
-
     def __init__(self, size: int, scale: tuple[float, float]) -> None:
         self.size = size
         self.scale = scale

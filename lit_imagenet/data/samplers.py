@@ -1,6 +1,6 @@
 """The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
 
-A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seed``), so a run resumed
+A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seeds``), so a run resumed
 part-way through an epoch continues with the very same batches (``resume_position``).
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytorch_lightning as pl
@@ -18,25 +17,8 @@ from torch.utils.data import Dataset, DistributedSampler
 from lit_imagenet import compat
 
 
-@contextmanager
-def seeded_rng(seed: int | None) -> Iterator[None]:
-    """Draws inside (torchvision's random transforms) come from torch's CPU generator seeded with ``seed``; its state
-    is restored after. ``None``: the generator as it is."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        yield
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The augmentation seed of sample ``index`` in ``epoch`` of a run seeded with ``seed``."""
-    return (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + index) & 0x7FFFFFFFFFFFFFFF
-
-
 def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
-    """``sample_seed`` of many samples at once, as uint64: the same numbers, computed with numpy."""
+    """The augmentation seeds (uint64) of samples ``indices`` in ``epoch`` of a run seeded with ``seed``."""
     base = (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003) & 0x7FFFFFFFFFFFFFFF
     return (np.uint64(base) + np.asarray(indices, dtype=np.uint64)) & np.uint64(0x7FFFFFFFFFFFFFFF)
 

@@ -1,11 +1,9 @@
-"""The DALI loader (``--data.decoder dali``): an iterable of batches, like a ``DataLoader``, over DALI pipelines.
+"""The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``.
 
-DALI is an optional dependency (``pip install 'lit_imagenet[dali-cuda130]'``, or ``[dali-cuda120]`` for a torch
-built for CUDA 12), imported only when this decoder is used. The data module's sampler gives the order, the shard
-of each process and the augmentation seed of each sample, as for the other decoders: each process's reader gets
-the files of its own shard, so that under DDP every process trains the same number of batches. A training epoch
-gets a pipeline of its own, built from the sampler's order (a resumed epoch starts at the first batch not trained);
-an evaluation loader builds one pipeline and reads it again at each pass.
+The sampler gives the order, each process's shard and each sample's augmentation seed, as for the other decoders;
+each process's reader gets the files of its own shard, so that under DDP every process trains as many batches. A
+training epoch gets a pipeline built from the sampler's order (a resumed epoch starts at the first batch not
+trained); an evaluation loader builds one pipeline and reads it again at each pass.
 """
 
 from __future__ import annotations
