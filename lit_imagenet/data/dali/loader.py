@@ -176,10 +176,10 @@ class DALILoader:
         source: CropSource | GeometrySource
         if seeds is not None:
             source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
-            # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
-            self._sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
+        # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
+        self._sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         try:
             pipe = build_pipeline(
                 self.samples.paths(indices), self.samples.labels[indices].tolist(), source,
