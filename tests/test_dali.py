@@ -1,14 +1,11 @@
 """The DALI decoder: batches against PIL's, crops fixed by the seed, errors, resume, sharding; CPU pipelines here."""
 
-import errno
 import gc
+import math
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.data.crops import crop_draws, crop_window, crop_windows, flips
+from lit_imagenet.data.crops import CROP_RATIO, CROP_TRIES, CropBox, crop_draws, crop_windows, flips
 from lit_imagenet.data.dali.loader import DALILoader, batch_dtype, dali_install_command
 from lit_imagenet.data.datamodule import ImageFolderDataModule, choose_decoder
 from lit_imagenet.data.prefetch import PrefetchLoader
@@ -32,6 +29,28 @@ from tests.test_resume import _start, kill_when
 
 STD_255 = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1) * 255
 SIZES = [(40, 50), (61, 37), (120, 45), (45, 120), (33, 33), (200, 20), (57, 43), (64, 64)]  # (width, height)
+
+
+def reference_crop_window(height: int, width: int, draws: np.ndarray, ratio=CROP_RATIO) -> tuple[int, ...]:
+    """RandomResizedCrop's rule restated one image at a time: the first try that fits, placed at random; else the
+    largest centred box with an aspect ratio in ``ratio``."""
+    area = float(height) * float(width)
+    for k in range(CROP_TRIES):
+        s, r = draws[k], draws[CROP_TRIES + k]
+        w = math.floor(math.sqrt(area * s * r) + 0.5)
+        h = math.floor(math.sqrt(area * s / r) + 0.5)
+        if 0 < w <= width and 0 < h <= height:
+            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
+            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
+            return (top, left, h, w)
+    w = min(width, math.floor(height * ratio[1] + 0.5))
+    h = min(height, math.floor(width / ratio[0] + 0.5))
+    return ((height - h) // 2, (width - w) // 2, h, w)
+
+
+def crop_window(height: int, width: int, draws: np.ndarray) -> CropBox:
+    """The package's crop of one image."""
+    return CropBox(*crop_windows(np.array([[height, width]]), draws[None])[0].tolist())
 
 
 def levels(normalised: torch.Tensor, reference_uint8: torch.Tensor) -> torch.Tensor:
@@ -115,7 +134,7 @@ def test_training_batches_are_the_drawn_crops(varied_root: Path, scale) -> None:
 
 
 def test_crop_windows_equal_crop_window_image_by_image() -> None:
-    """The batch computation of the pipeline's crop windows equals ``crop_window``, the fallback included."""
+    """The batch computation of the crop windows equals RandomResizedCrop's rule, the fallback included."""
     rng = np.random.default_rng(1)
     n = 4096
     sizes = np.stack([rng.integers(1, 900, n), rng.integers(1, 900, n)], 1).astype(np.int32)
@@ -124,7 +143,7 @@ def test_crop_windows_equal_crop_window_image_by_image() -> None:
     draws[64:512, :10] = 0.95 + 0.05 * draws[64:512, :10]  # large areas: some tries fail before one fits
 
     boxes = crop_windows(sizes, draws)
-    expected = [tuple(crop_window(int(h), int(w), d)) for (h, w), d in zip(sizes, draws)]
+    expected = [reference_crop_window(int(h), int(w), d) for (h, w), d in zip(sizes, draws)]
     assert [tuple(int(v) for v in box) for box in boxes] == expected
     assert all(b[0] == 0 and b[2] == h for b, (h, _) in zip(expected[:64], sizes))  # the fallback was taken
     area = sizes[64:512, 0].astype(float) * sizes[64:512, 1]
@@ -164,42 +183,27 @@ def test_image_sizes_read_from_headers_equal_pil(tmp_path: Path) -> None:
         sizes.get(np.array([0, len(paths), 1]))
 
 
-def test_image_sizes_read_ahead_stays_a_lead_ahead_of_the_samples_asked_for(
+def test_image_sizes_take_the_read_ahead_headers_as_they_are_asked_for(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The reading ahead opens a bounded number of headers beyond the samples asked for, not a whole pass's."""
+    """The reading worker's chunks are taken as the samples asked for reach them; the first ``start`` are read by
+    ``get`` itself."""
     from lit_imagenet.data.images import ImageSizes
     from lit_imagenet.data.index import SampleTable
 
     monkeypatch.setattr(ImageSizes, "CHUNK", 64)
-    monkeypatch.setattr(ImageSizes, "AHEAD", 2)
-    monkeypatch.setattr(ImageSizes, "LEAD", 512, raising=False)
     paths = []
     for k in range(4):
         Image.new("RGB", (30 + k, 20 + k)).save(tmp_path / f"{k}.jpg")
         paths.append(str(tmp_path / f"{k}.jpg"))
     count = 6_000
     sizes = ImageSizes(SampleTable.from_pairs(tmp_path, [(paths[i % 4], 0) for i in range(count)]))
-
-    def read_when_still() -> int:
-        last, still_since = -1, 0.0
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            now = int((sizes.sizes[:, 0] > 0).sum())
-            if now != last:
-                last, still_since = now, time.monotonic()
-            elif time.monotonic() - still_since > 1.5:
-                return now
-            time.sleep(0.05)
-        raise AssertionError("the reading did not settle")
-
-    sizes.read_ahead(np.arange(count))
+    sizes.read_ahead(np.arange(count), start=100)
     try:
-        first = read_when_still()
-        assert 512 <= first <= 512 + 64, first  # a lead of 512, and the chunk that passed it
-        sizes.get(np.arange(1_000))  # reads nothing itself: all were read ahead
-        second = read_when_still()
-        assert 1_000 + 512 <= second <= 1_000 + 512 + 64, second
+        sizes.get(np.arange(100))
+        assert int((sizes.sizes[:, 0] > 0).sum()) == 100  # read here: nothing taken from the worker yet
+        sizes.get(np.arange(100, 1_000))
+        assert int((sizes.sizes[:, 0] > 0).sum()) == 100 + 15 * 64  # whole chunks, up to the samples asked for
     finally:
         sizes.stop()
     assert sizes.get(np.arange(count)).tolist() == [[20 + i % 4, 30 + i % 4] for i in range(count)]
@@ -235,75 +239,6 @@ def test_same_seed_same_batches_other_seed_or_epoch_other_crops(shapes_root: Pat
         assert not any(torch.equal(a[0], b[0]) for a, b in zip(first, other))
 
 
-def test_a_pipeline_reads_its_files_from_a_list_file_in_memory_closed_once_built(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """The reader of a scanned split takes a list of ``path label`` lines made in memory, gone once the pipeline is
-    built (a process killed meanwhile leaves no file), and gives the batches that lists of paths and labels give."""
-    from lit_imagenet.data.dali import pipeline as pipelines
-    from lit_imagenet.data.index import SampleTable
-
-    lists: list[tuple[str, bytes]] = []
-    opened: list[tuple[str, str]] = []  # each list file's path, and what it opened while the pipeline was built
-    build = pipelines.build_pipeline
-
-    def kept(*args, **kwargs):
-        if kwargs.get("file_list") is not None:
-            lists.append((kwargs["file_root"], Path(kwargs["file_list"]).read_bytes()))
-            opened.append((kwargs["file_list"], os.readlink(kwargs["file_list"])))
-        return build(*args, **kwargs)
-
-    monkeypatch.setattr("lit_imagenet.data.dali.loader.build_pipeline", kept)
-
-    def passes() -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        dm = _module(shapes_root)
-        dm.setup("fit")
-        train, val = dm.train_dataloader(), dm.val_dataloader()
-        train.sampler.set_epoch(1)
-        return list(train), list(val)
-
-    def temporary_files() -> set[Path]:
-        # Less multiprocessing's own folders (pymp-*), which the suite's other processes make there at any time.
-        return {p for p in Path(tempfile.gettempdir()).iterdir() if not p.name.startswith("pymp-")}
-
-    before = temporary_files()
-    listed = passes()
-    assert temporary_files() <= before  # nothing written there
-    assert [target.startswith("/memfd:lit_imagenet_dali_list") for _, target in opened] == [True, True]
-    for path, target in opened:  # closed: its path opens nothing, or another file that took its number since
-        assert not os.path.exists(path) or os.readlink(path) != target
-    assert [root for root, _ in lists] == [str(shapes_root / "train"), str(shapes_root / "val")]
-    lines = lists[0][1].decode().splitlines()  # the epochs the training pipeline reads, one after the other
-    files = sorted(p.relative_to(shapes_root / "train").as_posix() for p in (shapes_root / "train").rglob("*.jpg"))
-    classes = sorted(p.name for p in (shapes_root / "train").iterdir())
-    assert len(files) == 24 and len(lines) % 24 == 0 and sorted(line.rsplit(" ", 1)[0] for line in lines[:24]) == files
-    assert all(int(line.rsplit(" ", 1)[1]) == classes.index(line.split("/")[0]) for line in lines)
-    with monkeypatch.context() as patched:
-        patched.setattr(SampleTable, "listable", lambda self: False)
-        for got, expected in zip(passes(), listed):
-            assert len(got) == len(expected)
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
-    assert len(lists) == 2  # lists of paths this time
-
-    # A system that makes no file in memory: the same batches from lists of paths, and one warning line.
-    from lit_imagenet.data.dali import loader
-
-    def refused(*args, **kwargs):
-        raise OSError(errno.ENOSYS, "Function not implemented")
-
-    monkeypatch.setattr(loader.os, "memfd_create", refused)
-    monkeypatch.setattr(loader, "_NO_LIST_FILE", [])
-    with pytest.warns(UserWarning) as caught:
-        for got, expected in zip(passes(), listed):
-            assert len(got) == len(expected)
-            assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected))
-    said = [str(w.message) for w in caught if "list file" in str(w.message)]
-    assert said == [
-        "DALI's readers take lists of paths, slower to build: no list file could be made (Function not implemented)."
-    ]
-    assert len(lists) == 2
-
-
 def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path) -> None:
     whole = _module(shapes_root).train_dataloader()
     whole.sampler.set_epoch(1)
@@ -317,27 +252,18 @@ def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path)
     assert len(list(resumed)) == len(expected)  # only the first pass skips
 
 
-def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at_the_last_batch(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """A pipeline reads as many whole epochs as fit in ``pass_samples``; the one of the epochs after them is built
-    in another thread once the last one's last batch is handed over (it decodes during validation). Each epoch's
-    batches are those of a loader asked for that epoch alone; a resume, another epoch or another seed gets a
-    pipeline of its own, and none is built for epochs past the run's last."""
+def test_each_epoch_gets_a_pipeline_of_the_samplers_order(shapes_root: Path, monkeypatch) -> None:
+    """One loader over several epochs, a resume and a restored seed: each epoch's batches are those of a loader
+    asked for that epoch alone, from one pipeline built from that epoch's samples."""
     builds: list[tuple[int, int]] = []
-    reached, release = threading.Event(), threading.Event()
-    pipeline = DALILoader._pipeline
+    build = DALILoader._build
 
     def counted(self, indices, seeds):
-        if threading.current_thread() is not threading.main_thread():
-            reached.set()
-            assert release.wait(30)
         builds.append((int(self.sampler.epoch), len(indices)))
-        return pipeline(self, indices, seeds)
+        return build(self, indices, seeds)
 
     def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
         loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
-        loader.pass_samples, loader.epochs = 1, epoch + 1  # one epoch read, none built ahead
         loader.sampler.set_epoch(epoch)
         return list(loader)
 
@@ -346,42 +272,19 @@ def test_a_training_pipeline_reads_several_short_epochs_and_the_next_is_built_at
             torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected)
         )
 
-    expected, reseeded = [alone(epoch) for epoch in range(7)], alone(8, seed=4)
+    expected, reseeded = [alone(epoch) for epoch in range(3)], alone(2, seed=4)
     assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]  # 24 images: the last batch is not padded
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    monkeypatch.setattr(DALILoader, "_build", counted)
     loader = _module(shapes_root, batch_size=5).train_dataloader()
-    loader.pass_samples = 3 * 24 + 23  # three whole epochs
     for epoch in range(3):
         loader.sampler.set_epoch(epoch)  # as Lightning does at each epoch's start
-        passes = iter(loader)
-        got = [next(passes) for _ in range(len(loader) - 1)]
-        assert builds == [(0, 3 * 25)]  # each epoch padded to whole batches
-        got.append(next(passes))  # the epoch's last batch: it comes while the next pipeline is being built
-        assert reached.wait(30) if epoch == 2 else not reached.is_set()  # the build ahead, held in its thread
-        assert builds == [(0, 75)]
-        assert loader.sampler.epoch == epoch + 1  # the loader moves its sampler on, as when it builds ahead
-        assert list(passes) == []
-        assert same(got, expected[epoch])
-    release.set()
-    loader.sampler.set_epoch(3)
-    assert same(list(loader), expected[3])
-    assert builds == [(0, 75), (3, 75)]
-
-    loader.sampler.set_epoch(6)  # another epoch than the pipeline reads next: one is built for it
-    assert same(list(loader), expected[6]) and builds[2:] == [(6, 75)]
-    loader.sampler.resume_at(7, 10)  # a resume part-way through the epoch the pipeline reads next
-    assert [len(b[0]) for b in loader] == [5, 5, 4] and builds[3:] == [(7, 15 + 25 + 25)]
-    loader.sampler.set_epoch(8)
-    loader.sampler.seed = 4  # a checkpoint's seed, restored
-    assert same(list(loader), reseeded) and builds[4:] == [(8, 75)]
-
-    builds.clear()
-    loader = _module(shapes_root, batch_size=5).train_dataloader()
-    loader.epochs = 2  # the run's max_epochs
-    for epoch in range(2):
-        loader.sampler.set_epoch(epoch)
         assert same(list(loader), expected[epoch])
-    assert builds == [(0, 50)] and loader.sampler.epoch == 1  # nothing built beyond epoch 1
+    assert builds == [(0, 24), (1, 24), (2, 24)]
+    loader.sampler.resume_at(1, 10)  # two batches of epoch 1 were trained on
+    assert same(list(loader), expected[1][2:]) and builds[3:] == [(1, 14)]
+    loader.sampler.set_epoch(2)
+    loader.sampler.seed = 4  # a checkpoint's seed, restored
+    assert same(list(loader), reseeded)
 
 
 def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_pass(
@@ -390,13 +293,13 @@ def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_p
     """A validation pass that reads every file keeps its pipeline for the next pass; one left part-way does not.
     With a batch limit the reader holds only those batches' files, so that each pass reads them all."""
     builds: list[int] = []
-    pipeline = DALILoader._pipeline
+    build = DALILoader._build
 
     def counted(self, indices, seeds):
         builds.append(len(indices))
-        return pipeline(self, indices, seeds)
+        return build(self, indices, seeds)
 
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
+    monkeypatch.setattr(DALILoader, "_build", counted)
     dm = _module(varied_root, batch_size=4)
     dm.setup("fit")
     loader = dm.val_dataloader()
@@ -429,7 +332,6 @@ def test_the_data_module_gives_an_integer_batch_limit_to_the_evaluation_loaders(
     assert dm.val_dataloader().max_batches == 3
     assert dm.test_dataloader().max_batches is None  # a fraction: Lightning shortens the pass itself
     assert dm.train_dataloader().max_batches is None
-    assert dm.train_dataloader().epochs == trainer.max_epochs
     with pytest.raises(ValueError, match="hw_decoder_load must be between 0 and 1. Got 1.5"):
         _module(shapes_root, hw_decoder_load=1.5)
 
@@ -655,40 +557,6 @@ def test_mixed_decoder_batches_on_the_gpu_and_a_short_fit(learnable_root: Path, 
     assert ((gpu_images - cpu_images) * STD_255).abs().mean() < 3
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
     assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
-
-
-def test_a_long_pass_starts_with_a_pipeline_of_its_first_batches_and_goes_on_in_one_of_the_rest(
-    shapes_root: Path, monkeypatch
-) -> None:
-    """The first ``head_batches`` come from a pipeline of their own, the rest of the epoch (and the epochs after it
-    in one pass) from one built in the loader's thread meanwhile: the very batches of an unsplit pass, resumes too."""
-    builds: list[tuple[str, int]] = []
-    pipeline = DALILoader._pipeline
-
-    def counted(self, indices, seeds):
-        builds.append((threading.current_thread().name.split("_")[0], len(indices)))
-        return pipeline(self, indices, seeds)
-
-    def loader(head: int):
-        dali = _module(shapes_root, batch_size=5).train_dataloader()
-        dali.head_batches, dali.pass_samples, dali.epochs = head, 2 * 24, 2  # one pass of two epochs, none after
-        return dali
-
-    whole = loader(head=100)
-    expected = [list(whole) for _ in range(2)]
-    assert [len(b[0]) for b in expected[0]] == [5, 5, 5, 5, 4]
-    monkeypatch.setattr(DALILoader, "_pipeline", counted)
-    split = loader(head=2)
-    got = list(split)
-    assert builds == [("MainThread", 10), ("dali-pipeline", 15 + 25)]  # 2 batches; the 3 others and epoch 1
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[0], strict=True))
-    got = list(split)  # epoch 1, from the pipeline of the rest
-    assert len(builds) == 2 and all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, expected[1], strict=True)
-    )
-    resumed = loader(head=1)
-    resumed.sampler.resume_at(0, 5)  # the first batch was trained on
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(list(resumed), expected[0][1:], strict=True))
 
 
 def test_loader_workers_forked_after_a_dali_pipeline_became_garbage_keep_running(shapes_root: Path) -> None:

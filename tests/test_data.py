@@ -2,7 +2,6 @@ import gc
 import multiprocessing
 import os
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +10,11 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.data import folders
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.datasets import collate_uint8
 from lit_imagenet.data.images import load_rgb, load_rgb_tensor
 from lit_imagenet.data.prefetch import PrefetchLoader
-from lit_imagenet.data.samplers import EpochSeededSampler, UnpaddedDistributedSampler
+from lit_imagenet.data.samplers import UnpaddedDistributedSampler
 from lit_imagenet.errors import DataError
 from lit_imagenet.training.module import ImageClassifier
 
@@ -239,50 +237,6 @@ def test_torchvision_decoder_augments_reproducibly_per_sample(shapes_root: Path)
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-def test_next_epoch_starts_early_and_gives_the_same_batches(shapes_root: Path) -> None:
-    """When an epoch's last batch is out, the workers start on the next epoch; its batches do not change."""
-
-    def loader() -> torch.utils.data.DataLoader:
-        dm = ImageFolderDataModule(str(shapes_root), batch_size=5, workers=1, crop_size=16, val_resize=18,
-                                   decoder="torchvision", seed=4)  # fmt: skip
-        return dm.train_dataloader()
-
-    early = loader()
-    early.sampler.set_epoch(0)
-    first = list(early)
-    assert early._next_epoch is not None and early._next_epoch[0] == 1 and early.sampler.epoch == 1
-    early.sampler.set_epoch(1)  # as Lightning does before asking for the epoch
-    second = list(early)
-    assert early._next_epoch is not None and early._next_epoch[0] == 2
-
-    fresh = loader()
-    for epoch, batches in ((0, first), (1, second)):
-        fresh.sampler.set_epoch(epoch)
-        fresh._next_epoch = None
-        expected = list(fresh)
-        assert len(batches) == len(expected) == 5  # 24 images, batch 5
-        for got, want in zip(batches, expected):
-            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert not torch.equal(first[0][1], second[0][1]) or not torch.equal(first[0][0], second[0][0])
-
-
-def test_a_different_epoch_than_the_one_started_early_is_not_used(shapes_root: Path) -> None:
-    dm = ImageFolderDataModule(str(shapes_root), batch_size=8, workers=1, crop_size=16, val_resize=18, seed=4)
-    loader = dm.train_dataloader()
-    loader.sampler.set_epoch(0)
-    list(loader)
-    loader.sampler.set_epoch(5)  # a caller that jumps epochs gets the epoch it asks for
-    jumped = list(loader)
-    fresh = dm.train_dataloader()
-    fresh.sampler.set_epoch(5)
-    expected = list(fresh)
-    assert len(jumped) == len(expected) == 3  # 24 images in batches of 8
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(jumped, expected))
-    started_early = dm.train_dataloader()
-    started_early.sampler.set_epoch(1)  # the epoch the workers had started on
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(jumped, list(started_early)))
-
-
 def test_every_decoder_cuts_the_crop_and_flip_of_the_crop_rule(shapes_root: Path) -> None:
     """pil and torchvision (TrainCrop), nvjpeg's workers and DALI's external source: one box and flip per seed."""
     from torchvision.transforms.v2 import functional as F
@@ -396,100 +350,6 @@ def test_loader_workers_leave_the_parents_garbage_alone(tmp_path: Path) -> None:
     """A worker's collector must not free the parent's cycles: a DALI pipeline's destructor there ends the worker."""
     loader = PrefetchLoader(_CollectsGarbage(), batch_size=2, num_workers=1)
     assert _freed_by(tmp_path / "freed", lambda: list(loader)) == [str(os.getpid())]
-
-
-_walk_class = folders._walk_class
-
-
-def _walk_and_collect(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
-    gc.collect()
-    return _walk_class(split_dir, name)
-
-
-def test_the_scan_processes_leave_the_parents_garbage_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _make_split(tmp_path, "train", {f"c{k:02d}": 1 for k in range(64)})  # enough classes for processes
-    monkeypatch.setattr(folders, "_walk_class", _walk_and_collect)
-    freed = _freed_by(tmp_path / "freed", lambda: folders.scan_split(tmp_path / "train", processes=2))
-    assert freed == [str(os.getpid())]
-
-
-class _ByWorker(torch.utils.data.Dataset):
-    """Sample ``i``: a uint8 image whose pixels are ``i``, labelled with the loader worker that read it."""
-
-    def __len__(self) -> int:
-        return 40
-
-    def __getitem__(self, item: tuple[int, int]) -> tuple[torch.Tensor, int]:
-        worker = torch.utils.data.get_worker_info()
-        return torch.full((3, 2, 2), item[0], dtype=torch.uint8), -1 if worker is None else worker.id
-
-
-def test_the_first_batch_of_each_pass_is_decoded_by_every_worker_and_joined() -> None:
-    """With split_first each worker decodes a piece of a pass's first batch; the batches are a plain loader's."""
-
-    def loader(split: bool) -> PrefetchLoader:
-        data = _ByWorker()
-        return PrefetchLoader(data, batch_size=12, sampler=EpochSeededSampler(data, seed=3), num_workers=3,
-                              collate_fn=partial(collate_uint8, memory_format=torch.channels_last),
-                              persistent_workers=True, split_first=split)  # fmt: skip
-
-    split, plain = loader(True), loader(False)
-    for epoch in (0, 1):  # epoch 1: started early, as the last batch of epoch 0 was handed over
-        split.sampler.set_epoch(epoch)
-        plain.sampler.set_epoch(epoch)
-        got, want = list(split), list(plain)
-        assert len(split) == len(got) == len(want) == 4  # 40 samples in batches of 12
-        assert [len(b[0]) for b in got] == [12, 12, 12, 4]
-        for a, b in zip(got, want):
-            assert torch.equal(a[0], b[0])
-        assert got[0][0].is_contiguous(memory_format=torch.channels_last)
-        # a piece from each worker in epoch 0; epoch 1's first batch was decoded whole as epoch 0 ended
-        assert len(set(got[0][1].tolist())) == (3 if epoch == 0 else 1)
-        assert len(set(want[0][1].tolist())) == 1  # a plain loader's first batch: one worker's
-        assert all(len(set(b[1].tolist())) == 1 for b in got[1:])  # later batches whole, from one worker each
-    assert split._next_epoch is not None and split._next_epoch[2] == 1
-    split.sampler.set_epoch(5)  # not the epoch started early: a pass started now, its first batch in pieces
-    got = list(split)
-    assert len(set(got[0][1].tolist())) == 3
-    split, plain = loader(True), loader(False)
-    for resumed in (split, plain):  # a run resumed after 2 batches of epoch 1 goes on with its third
-        resumed.sampler.resume_at(1, 24)
-    got, want = list(split), list(plain)
-    assert [len(b[0]) for b in got] == [12, 4] and all(torch.equal(a[0], b[0]) for a, b in zip(got, want))
-    assert sorted(set(got[0][1].tolist())) == [0, 1, 2]
-
-
-def test_a_batch_sampler_that_starts_over_at_each_iter_is_read_once() -> None:
-    """Lightning's batch sampler of a prediction records the batches it gives, and starts over when iterated again."""
-    from pytorch_lightning.overrides.distributed import _IndexBatchSamplerWrapper
-
-    data = _ByWorker()
-    batches = _IndexBatchSamplerWrapper(torch.utils.data.BatchSampler([(i, 0) for i in range(18)], 4, False))
-    loader = PrefetchLoader(data, batch_sampler=batches, num_workers=3, collate_fn=collate_uint8, split_first=True)
-    got = [b[0][:, 0, 0, 0].tolist() for b in loader]
-    assert got == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17]]
-    assert [[i for i, _ in seen] for seen in batches.seen_batch_indices] == got
-
-
-def test_a_first_batch_smaller_than_the_workers_comes_in_one_piece_per_sample() -> None:
-    data = _ByWorker()
-    loader = PrefetchLoader(data, batch_size=2, sampler=EpochSeededSampler(data, seed=3), num_workers=3,
-                            collate_fn=collate_uint8, split_first=True)  # fmt: skip
-    batches = list(loader)
-    assert len(batches) == len(loader) == 20 and sorted(batches[0][1].tolist()) == [0, 1]
-
-
-def test_split_first_names_a_batch_it_cannot_join() -> None:
-    loader = PrefetchLoader(list(range(8)), batch_size=4, num_workers=2, split_first=True)
-    with pytest.raises(TypeError, match="split_first joins batches that are lists or tuples of tensors; this loader"):
-        list(loader)
-
-
-def test_the_file_decoders_split_their_first_batches(shapes_root: Path) -> None:
-    for decoder, split in (("pil", True), ("torchvision", True), ("nvjpeg", False)):
-        dm = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=2, crop_size=16, val_resize=18,
-                                   decoder=decoder)  # fmt: skip
-        assert dm.train_dataloader().split_first is split and dm.val_dataloader().split_first is split
 
 
 def test_on_cuda_the_prefetcher_pins_and_the_loader_starts_no_pin_thread(shapes_root: Path) -> None:

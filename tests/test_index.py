@@ -245,20 +245,3 @@ def test_two_processes_read_each_file_at_most_once_before_training_and_only_thei
     for rank in (0, 1):
         own = {names["train"][i] for i in epoch_order(32, 5, 0, 2, rank)} | set(names["val"][rank::2])
         assert {what for r, what in before if r == rank} <= own
-
-
-def test_a_table_lists_its_samples_as_dali_reads_them_in_any_order() -> None:
-    pairs = [("b/x y.jpg", 12), ("a/\u00e9t\u00e9.jpg", 0), ("c/z.JPEG", 7), ("a/w.jpg", 1003)]
-    table = SampleTable.from_pairs("/data/train", pairs)
-    table.LISTING_CHUNK = 3  # the last chunk holds one sample
-    assert table.listable()
-    order = np.array([3, 0, 2, 1, 0])
-    expected = "".join(f"{pairs[i][0]} {pairs[i][1]}\n" for i in order).encode()
-    assert table.listing(order) == expected
-    assert table.listing(np.zeros(0, dtype=np.int64)) == b""
-
-
-@pytest.mark.parametrize("name", ["a/new\nline.jpg", "a/return\r.jpg", "a/trailing.jpg ", "\ta/leading.jpg"])
-def test_a_table_whose_paths_a_list_of_lines_cannot_carry_is_not_listable(name: str) -> None:
-    assert not SampleTable.from_pairs("/data/train", [("a/ok.jpg", 0), (name, 1)]).listable()
-    assert not SampleTable.from_pairs("", [("a/ok.jpg", 0)]).listable()  # paths as given: no root to list them under

@@ -1,13 +1,8 @@
 """The crop rule of every decoder: RandomResizedCrop's boxes drawn from a sample's seed, and evaluation's centre crop.
 
-A training sample's crop and flip depend on its augmentation seed (``EpochSeededSampler``'s) and its
-image's size alone, and every decoder cuts them by this module: ``pil`` and ``torchvision`` through
-``presets.TrainCrop``, ``nvjpeg`` in its workers, ``dali`` in its pipeline's external source, a batch
-at a time. ``crop_draws`` turns seeds into the uniform numbers of a crop and a flip (SplitMix64,
-vectorised with numpy); ``crop_window`` and ``crop_windows`` apply RandomResizedCrop's rule to them
-for one image or many (up to ten tries of an area fraction in ``scale`` and an aspect ratio in
-(3/4, 4/3), else the largest centred box of such a ratio); ``crop_and_flip`` is both for one sample.
-``center_crop_box`` and ``eval_geometry`` give torchvision's resize and centre crop for one image or many.
+A training sample's crop and flip depend on its augmentation seed and its image's size alone, so a seed gives the
+same crop with ``pil`` and ``torchvision`` (``presets.TrainCrop``), ``nvjpeg`` (in its workers) and ``dali`` (in its
+external source).
 """
 
 from __future__ import annotations
@@ -36,11 +31,10 @@ class CropBox(NamedTuple):
 def crop_draws(
     seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
 ) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed.
+    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64).
 
-    Returns a float64 ``(N, 23)`` array: ten area fractions drawn from ``scale``, ten aspect ratios
-    drawn log-uniformly from ``ratio``, then uniform numbers in [0, 1) for the top and left of the crop
-    and for the flip (mirrored when below 0.5).
+    Returns a float64 ``(N, 23)`` array: ten area fractions in ``scale``, ten aspect ratios drawn log-uniformly
+    in ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5).
 
     Args:
         seeds: The samples' augmentation seeds (``EpochSeededSampler``'s).
@@ -63,34 +57,10 @@ def crop_draws(
     return out
 
 
-def crop_window(height: int, width: int, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> CropBox:
-    """The crop the training pipeline cuts from a ``height`` x ``width`` image with one row of ``crop_draws``.
-
-    RandomResizedCrop's rule: the first of the tries whose box fits in the image, placed at random;
-    when none fits, the largest centred box with an aspect ratio in ``ratio``.
-
-    Args:
-        height: Image height in pixels.
-        width: Image width in pixels.
-        draws: One row of ``crop_draws``.
-        ratio: The aspect ratio range the draws were made for.
-    """
-    area = float(height) * float(width)
-    for k in range(CROP_TRIES):
-        s, r = draws[k], draws[CROP_TRIES + k]
-        w = math.floor(math.sqrt(area * s * r) + 0.5)
-        h = math.floor(math.sqrt(area * s / r) + 0.5)
-        if 0 < w <= width and 0 < h <= height:
-            top = math.floor(draws[2 * CROP_TRIES] * (height - h + 1))
-            left = math.floor(draws[2 * CROP_TRIES + 1] * (width - w + 1))
-            return CropBox(top, left, h, w)
-    w = min(width, math.floor(height * ratio[1] + 0.5))
-    h = min(height, math.floor(width / ratio[0] + 0.5))
-    return CropBox((height - h) // 2, (width - w) // 2, h, w)
-
-
 def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
-    """``crop_window`` of many images at once: an int32 ``(N, 4)`` array of ``(top, left, height, width)``.
+    """RandomResizedCrop's boxes for rows of ``crop_draws``: the first try that fits, placed at random; when none
+    fits, the largest centred box with an aspect ratio in ``ratio``. An int32 ``(N, 4)`` array of ``(top, left,
+    height, width)``.
 
     Args:
         sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
@@ -125,31 +95,18 @@ def flips(draws: np.ndarray) -> np.ndarray:
 
 
 def crop_and_flip(height: int, width: int, seed: int | None, scale: tuple[float, float]) -> tuple[CropBox, bool]:
-    """The crop box and the flip of a training sample with augmentation ``seed`` in a ``height`` x ``width`` image.
-
-    ``seed`` ``None`` draws one from torch's generator, so that an unseeded dataset still augments at random.
-    """
+    """The crop box and flip of a sample with augmentation ``seed`` (``None``: drawn from torch's generator)."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
     draws = crop_draws([seed], scale)
-    return crop_window(height, width, draws[0]), bool(flips(draws)[0])
+    box = crop_windows(np.array([[height, width]]), draws)[0].tolist()
+    return CropBox(*box), bool(flips(draws)[0])
 
 
 def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray, np.ndarray]:
-    """torchvision's ``Resize(resize)`` size and ``CenterCrop(crop)`` position, for many images at once.
-
-    The long side is ``int(resize * long / short)`` and the crop starts at ``round((side - crop) / 2)``
-    (half to even), as torchvision computes them, so the batches match the other decoders' to a grey level.
-
-    Args:
-        sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
-        resize: The short side after resizing.
-        crop: The side of the centre crop.
-
-    Returns:
-        float32 ``(N, 2)`` arrays: the resized ``(width, height)``, and the crop's position as
-        ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``.
-    """
+    """torchvision's ``Resize(resize)`` then ``CenterCrop(crop)`` of images of ``(N, 2)`` heights and widths ``sizes``:
+    float32 ``(N, 2)`` arrays of the resized ``(width, height)`` and of the crop's position as
+    ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``."""
     height = sizes[:, 0].astype(np.float64)
     width = sizes[:, 1].astype(np.float64)
     wide = width >= height

@@ -1,18 +1,9 @@
-"""The data module: ImageFolder splits under a root as uint8 batches, ready for the GPU-side prefetcher.
-
-It composes the pieces of the data path: the folder scan and its checks (``folders``), the dataset
-and collation of each ``--data.decoder`` (``datasets``, ``nvjpeg``, ``dali``; ``decoder_dataset``
-and ``choose_decoder`` here), the samplers and the position of a resumed run (``samplers``), the
-transforms (``presets``) and the loader that copies and normalises batches on the GPU one step ahead
-(``prefetch``). An image that cannot be decoded
-raises ``DataError`` naming the file, whether ``verify_images`` finds it up front or a loader worker
-finds it on first read.
-"""
+"""The data module: ImageFolder splits under a root as uint8 batches (or DALI's), one loader per split."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -37,35 +28,9 @@ from lit_imagenet.errors import ConfigError, DataError
 DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
 
 
-def decoder_dataset(
-    decoder: str,
-    samples: Sequence[tuple[str, int]],
-    transform: Callable[[Any], Any],
-    memory_format: torch.memory_format,
-    train: bool,
-    *,
-    crop_size: int,
-    crop_scale: tuple[float, float],
-    val_resize: int,
-    gpu_share: float,
-) -> tuple[ImageFolderDataset, Callable[..., Any]]:
-    """The dataset of ``samples`` for ``decoder`` (``auto`` resolved), and the collate function of its batches.
-
-    ``crop_size`` to ``gpu_share`` are those of ``EncodedImageFolderDataset``, which ``nvjpeg`` uses.
-    """
-    if decoder == "nvjpeg":
-        dataset = EncodedImageFolderDataset(samples, transform, train, crop_size, crop_scale, val_resize, gpu_share)
-        return dataset, partial(collate_encoded, memory_format=memory_format)
-    loader = load_rgb_tensor if decoder == "torchvision" else load_rgb
-    return ImageFolderDataset(samples, transform, loader), partial(collate_uint8, memory_format=memory_format)
-
-
 def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
-    """The decoder ``auto`` stands for, and why.
-
-    On one CUDA process, DALI when it imports, else nvJPEG; on several, nvJPEG, which measured faster
-    than DALI there (``docs/benchmarks.md``); without CUDA, PIL.
-    """
+    """The decoder ``auto`` stands for, and why: on one CUDA process DALI when it imports, else nvJPEG; on
+    several nvJPEG (faster there, ``docs/benchmarks.md``); without CUDA, PIL."""
     if not on_cuda:
         return "pil", "the run is not on a CUDA device"
     if processes > 1:
@@ -84,50 +49,36 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
             sub-folder of images per class.
         batch_size: Images per batch in each process.
-        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``); they
-            persist across epochs.
+        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
         crop_size: Side of the square crops fed to the network.
-        val_resize: Validation images are resized so that their short side is this long, then
-            centre-cropped to ``crop_size``.
+        val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
-        channels_last: Collate batches in channels_last memory format. ``None``: on when the run
-            uses a CUDA device.
-        pin_memory: Put batches in page-locked memory, for asynchronous copies to the GPU. On CUDA the
-            prefetcher pins each batch just before it copies it, so that only the batches on their way
-            are page-locked (``lit_imagenet.data.prefetch``).
+        channels_last: Collate batches in channels_last memory format. ``None``: on a CUDA device.
+        pin_memory: Put batches in page-locked memory for asynchronous copies to the GPU (on CUDA the
+            prefetcher pins each batch just before it copies it).
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
-        decoder: ``pil`` decodes and augments PIL images, as the reference did; ``torchvision``
-            decodes with ``torchvision.io`` and crops and resizes uint8 tensors; ``nvjpeg`` has the
-            workers read the files and decodes, crops and resizes the JPEGs on the GPU in batches
-            (``lit_imagenet.data.nvjpeg``), for when the CPU cores cannot decode fast enough; ``dali``
-            reads, decodes, crops, resizes and normalises in an NVIDIA DALI pipeline (``lit_imagenet.data.dali``;
-            on CUDA the GPU and its hardware JPEG decoder do the work, with ``dali_threads`` CPU threads
-            and no worker processes); ``auto`` picks ``dali`` on one CUDA device when DALI is installed, else ``nvjpeg``
-            on CUDA (on several GPUs too), else ``pil``. The start of a run logs the decoder, and why.
-        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the
-            workers decode the rest with ``torchvision.io``. Lower it when the GPU is the bottleneck
-            and the CPU cores have time to spare.
-        gpu_decode_ahead: On CUDA, how many batches the prefetcher's thread has on their way while the
-            current one trains: pinned and copied to the GPU, and with ``decoder: nvjpeg`` decoded there.
-            More even out slow batches; each holds a batch in GPU memory, and until it is copied, in
-            page-locked host memory.
+        decoder: ``pil`` (PIL images, as the reference); ``torchvision`` (``torchvision.io`` and uint8
+            tensors); ``nvjpeg`` (the workers read the files, the GPU decodes, crops and resizes batches);
+            ``dali`` (an NVIDIA DALI pipeline reads, decodes, crops and normalises, with ``dali_threads``
+            CPU threads and no worker processes); ``auto``: ``dali`` on one CUDA device when installed, else
+            ``nvjpeg`` on CUDA, else ``pil``. The start of a run logs the decoder, and why.
+        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the workers
+            decode the rest. Lower it when the GPU is the bottleneck and the CPU cores have time to spare.
+        gpu_decode_ahead: On CUDA, the batches the prefetcher's thread has on their way (pinned, copied,
+            and with ``nvjpeg`` decoded) while the current one trains; each holds GPU memory.
         hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of the JPEGs sent to the GPU's
-            hardware JPEG decoder, which takes no time from training; the rest are decoded on the
-            GPU's cores (DALI's ``hw_decoder_load``).
+            hardware JPEG decoder (DALI's ``hw_decoder_load``).
         seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
             A run resumed from a checkpoint keeps the seed it was started with.
-        index: Keep each split's file list in an index file, which later runs, every process and
-            every restart read instead of walking the folders again; a split whose folders changed
-            (a file or class folder added, removed or renamed) is scanned again. A file rewritten in
-            place is not seen by it, and is named when it is read, as any bad file is.
+        index: Keep each split's file list in an index file that later runs read instead of walking the
+            folders; a split whose folders changed (an entry added, removed or renamed) is scanned again.
         index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
-            ``~/.cache/lit_imagenet/index``); the data folder itself may be read-only.
-        dali_threads: With ``decoder: dali``, the pipeline's CPU threads, which read the files. ``None``: half
-            the CPU cores this process has a share of (its cores over the processes of its node), 2 to 8.
-        persistent_eval_workers: Keep the loader workers of validation, testing and prediction
-            between passes. ``False``: each pass starts them and stops them once it has its last batch,
-            as the reference does, so that they hold no host memory while training runs.
+            ``~/.cache/lit_imagenet/index``).
+        dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's
+            share of the node's CPU cores, 2 to 8.
+        persistent_eval_workers: Keep the loader workers of validation, testing and prediction between
+            passes. ``False``: each pass starts them and stops them at its last batch, as the reference does.
     """
 
     def __init__(
@@ -280,53 +231,37 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
         decoder = self.decoder_in_use()
         transform = self.train_transform() if train else self.eval_transform()
-        dataset, collate = decoder_dataset(
-            decoder, self.samples(split), transform, self._memory_format(), train, crop_size=self.crop_size,
-            crop_scale=self.crop_scale, val_resize=self.val_resize, gpu_share=self.gpu_share,
-        )  # fmt: skip
+        samples, memory_format = self.samples(split), self._memory_format()
+        if decoder == "nvjpeg":
+            dataset: ImageFolderDataset = EncodedImageFolderDataset(
+                samples, transform, train, self.crop_size, self.crop_scale, self.val_resize, self.gpu_share
+            )
+            collate = partial(collate_encoded, memory_format=memory_format)
+        else:
+            dataset = ImageFolderDataset(samples, transform, load_rgb_tensor if decoder == "torchvision" else load_rgb)
+            collate = partial(collate_uint8, memory_format=memory_format)
         saved = self._saved if train else None
         sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved)
         if decoder == "dali":
             return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=False,
-            sampler=sampler,
-            num_workers=self.workers,
-            collate_fn=collate,
-            pin_memory=self.pin_memory and self._on_cuda(),
+            dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler, num_workers=self.workers,
+            collate_fn=collate, pin_memory=self.pin_memory and self._on_cuda(), drop_last=False,
             persistent_workers=self.workers > 0 and (train or self.persistent_eval_workers),
-            drop_last=False,
-            device=self.prefetch_device,
-            mean=self.mean,
-            std=self.std,
-            decode_ahead=self.gpu_decode_ahead,
-            split_first=decoder in ("pil", "torchvision"),  # batches of tensors, decoded in the workers
-        )
+            device=self.prefetch_device, mean=self.mean, std=self.std, decode_ahead=self.gpu_decode_ahead,
+        )  # fmt: skip
 
     def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
         device = self.prefetch_device
         if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
             device = self.trainer.strategy.root_device
         return DALILoader(
-            self.samples(split),
-            self.batch_size,
-            train,
-            self.crop_size,
-            self.val_resize,
-            self.crop_scale,
-            threads=self._dali_threads(),
-            sampler=sampler,
-            device=device,
+            self.samples(split), self.batch_size, train, self.crop_size, self.val_resize, self.crop_scale,
+            threads=self._dali_threads(), sampler=sampler, device=device,
             channels_last=self._memory_format() == torch.channels_last,
-            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
-            mean=self.mean,
-            std=self.std,
-            hw_decoder_load=self.hw_decoder_load,
-            max_batches=None if train else self._batch_limit(stage),
-            epochs=self.trainer.max_epochs if train and self.trainer is not None else None,
-        )
+            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None), mean=self.mean,
+            std=self.std, hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
+        )  # fmt: skip
 
     def _dali_threads(self) -> int:
         if self.dali_threads is not None:

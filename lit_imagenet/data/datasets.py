@@ -1,10 +1,5 @@
-"""Datasets of ``(image, label)`` samples, and their collation into uint8 batches.
-
-Batches are collated as uint8 ``(N, 3, H, W)`` tensors in the requested memory format, as NVIDIA
-apex's ImageNet example did (its ``fast_collate``): conversion to float and normalisation happen on
-the GPU (``lit_imagenet.data.prefetch``), not in the workers. For ``--data.decoder nvjpeg`` the samples
-picked for the GPU stay encoded (``lit_imagenet.data.nvjpeg``).
-"""
+"""Datasets of ``(image, label)`` samples, collated into uint8 batches (apex's ``fast_collate``): conversion to float
+and normalisation happen on the GPU (``data.prefetch``), not in the workers."""
 
 from __future__ import annotations
 
@@ -18,7 +13,6 @@ from torch.utils.data import Dataset
 
 from lit_imagenet.data.images import load_rgb
 from lit_imagenet.data.index import SampleTable
-from lit_imagenet.data.samplers import seeded_rng
 
 
 class ImageFolderDataset(Dataset):
@@ -48,22 +42,16 @@ class ImageFolderDataset(Dataset):
         index, seed = item if isinstance(item, tuple) else (item, None)
         path, target = self.samples[index]
         img = self.loader(path)
-        if getattr(self.transform, "takes_seed", False):
-            img = self.transform(img, seed)  # the crop rule of every decoder (presets.TrainCrop)
-        elif self.transform is not None:
-            with seeded_rng(seed):  # any other transform draws from torch's generator, seeded per sample
-                img = self.transform(img)
+        if self.transform is not None:
+            img = self.transform(img) if seed is None else self.transform(img, seed)  # presets.TrainCrop takes it
         return img, target
 
 
 def collate_uint8(
     batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
 ) -> list[Tensor]:
-    """Stacks PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W), int64 (N,)]``.
-
-    All images of a batch must have the same size. With ``torch.channels_last`` the images are
-    written straight into an NHWC buffer, which is what channels_last means, so no copy is needed.
-    """
+    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W),
+    int64 (N,)]``; channels_last batches are written straight into an NHWC buffer."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)

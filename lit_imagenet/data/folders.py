@@ -1,26 +1,18 @@
 """The ImageFolder layout: the class folders of a split, their images, and the checks made before training.
 
-``root`` holds ``train/`` and ``val/`` (and optionally ``test/``), each with one folder of images
-per class. The folders are scanned when the data module is built, so a missing split, an empty
-class folder, an empty file or one that is not an image, or train and val splits with different
-classes stop the run before any training starts, with a ``DataError`` naming the thing. A scan is
-kept in an index file (``lit_imagenet.data.index``) that later runs read instead of walking the
-folders again, as long as no folder changed.
+A missing split, an empty class folder, an empty or non-image file, or train and val splits with different classes
+stop the run before training with a ``DataError`` naming the thing. Scans are kept in an index (``data.index``).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
-from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable, Scan, cached_scan
 from lit_imagenet.errors import DataError, undecodable_image
 
@@ -32,8 +24,8 @@ def _is_hidden(name: str) -> bool:
 
 
 def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
-    """Appends the images under ``folder`` to ``names`` (relative, encoded), its files before its sub-folders,
-    each sorted, and the modification time of each folder read to ``folders``; hidden entries are not data."""
+    """Appends the images under ``folder`` to ``names`` (relative, encoded; files before sub-folders, each sorted)
+    and each folder's modification time to ``folders``; hidden entries are not data."""
     folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
     files, subfolders = [], []
     with os.scandir(folder) as entries:
@@ -80,27 +72,8 @@ def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]
     return names, folders
 
 
-def _walk_classes(split_dir: str, classes: list[str], processes: int) -> list[tuple[list[bytes], dict[str, int]]]:
-    """``_walk_class`` of each class folder, in order; in ``processes`` forked processes where there are many.
-
-    The scan waits on the file system (one ``stat`` a file), more so on a network file system: several
-    processes wait at once. Only where processes are forked (Linux): spawning would import the package
-    again in each.
-    """
-    if processes > 1 and len(classes) >= 64 and sys.platform.startswith("linux"):
-        context = multiprocessing.get_context("fork")
-        chunk = max(1, len(classes) // (4 * processes))
-        with forks_skip_parent_garbage(), ProcessPoolExecutor(min(processes, len(classes)), mp_context=context) as pool:
-            return list(pool.map(_walk_class, [split_dir] * len(classes), classes, chunksize=chunk))
-    return [_walk_class(split_dir, name) for name in classes]
-
-
-def scan_split(split_dir: str | Path, processes: int | None = None) -> Scan:
+def scan_split(split_dir: str | Path) -> Scan:
     """The class names of an ImageFolder split, its samples and the times of its folders.
-
-    Args:
-        split_dir: The split's folder.
-        processes: How many processes walk the class folders (``None``: one per CPU, 16 at most).
 
     Raises:
         DataError: The folder is missing, has no class folders, or a class folder holds no image,
@@ -114,11 +87,9 @@ def scan_split(split_dir: str | Path, processes: int | None = None) -> Scan:
     classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
-    if processes is None:
-        processes = min(16, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     names: list[bytes] = []
     counts = []
-    for class_names, class_folders in _walk_classes(str(split_dir), classes, processes):
+    for class_names, class_folders in (_walk_class(str(split_dir), name) for name in classes):
         names += class_names
         folders.update(class_folders)
         counts.append(len(class_names))
@@ -147,12 +118,8 @@ def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, o
 
 
 def scan_root(root: Path, index_dir: Path | None = None) -> tuple[list[str], dict[str, SampleTable]]:
-    """The classes of ``root/train`` and the samples of each split: ``train``, ``val`` and ``test`` when present.
-
-    Args:
-        root: The data folder.
-        index_dir: Where the splits' index files are kept (``lit_imagenet.data.index``); ``None``: none,
-            every split is scanned.
+    """The classes of ``root/train`` and the samples of each split (``train``, ``val``, and ``test`` when present),
+    read from the index files in ``index_dir`` where the folders did not change (``None``: scanned every time).
 
     Raises:
         DataError: ``root`` or a split is missing or malformed, or the splits' class folders differ.

@@ -1,13 +1,7 @@
 """Processes forked by the data path (loader workers, the folder scan) never collect the parent's garbage.
 
-A forked child starts with a copy of every object of its parent, garbage cycles not yet collected
-included. When the child's collector frees such a cycle, the destructors of its objects run in a
-process where their threads and handles do not exist: a DALI pipeline freed there ends the worker
-with a segmentation fault. So a child forked within ``forks_skip_parent_garbage`` freezes what it
-inherited (``gc.freeze()``) as its first step, before any collection can run in it: its collector
-sees only the objects it makes itself, and it leaves the pages it shares with the parent unwritten
-(the pattern of Python's ``gc`` documentation for forking servers). The parent's own collection is
-not touched.
+A child forked within ``forks_skip_parent_garbage`` freezes what it inherited (``gc.freeze()``): a DALI pipeline
+freed by a worker's collector would end the worker with a segmentation fault.
 """
 
 from __future__ import annotations

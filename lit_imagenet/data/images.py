@@ -1,15 +1,9 @@
-"""Decoding images on the CPU, in the loader workers, and reading what the GPU decoder needs from a file.
-
-``load_rgb`` opens any image with PIL as 8-bit RGB (the reference's path); ``load_rgb_tensor``
-decodes with ``torchvision.io`` straight into a uint8 tensor. For ``--data.decoder nvjpeg`` the
-workers only read a JPEG's bytes (``read_bytes``) and its size from the header (``jpeg_size``), and
-hand over an ``EncodedImage`` (``lit_imagenet.data.nvjpeg``). Every failure raises ``DataError`` naming the file.
-"""
+"""Decoding images on the CPU (``load_rgb``: PIL; ``load_rgb_tensor``: ``torchvision.io``), a file's bytes and its
+header size. Every failure raises ``DataError`` naming the file."""
 
 from __future__ import annotations
 
 import io
-import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,9 +43,6 @@ _TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
 
 def load_rgb_tensor(path: str) -> Tensor:
     """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats).
-
-    ``torchvision.io`` decodes JPEG with libjpeg-turbo straight into a tensor, and the random crop
-    and resize then run on uint8 tensors: no PIL image is made.
 
     Raises:
         DataError: The file cannot be read or decoded; the message names it.
@@ -103,40 +94,12 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
 
 
 def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image held in memory, without decoding it.
+    """``(height, width)`` from the header of an encoded image held in memory.
 
     Raises:
         DataError: The header cannot be read; the message names the file.
     """
     return _header_size(io.BytesIO(data.numpy().tobytes()), path)
-
-
-# Start-of-frame markers, which hold the image size: 0xC0-0xCF but DHT (C4), JPG (C8) and DAC (CC).
-_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# Most JPEGs' frame header comes within their first kilobytes; after EXIF (up to 64 KiB) or a colour
-# profile it comes later, so a first short read is followed by a longer one when it holds no frame header.
-_FIRST_READ, _HEADER_BYTES = 1 << 12, 1 << 16
-
-
-def _jpeg_frame_size(head: bytes) -> tuple[int, int] | None:
-    """``(height, width)`` from the start-of-frame segment of a JPEG's first bytes, or None if not in them."""
-    pos = 2
-    while pos + 9 <= len(head):
-        if head[pos] != 0xFF:
-            return None
-        marker = head[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in _SOF_MARKERS:
-            height = int.from_bytes(head[pos + 5 : pos + 7], "big")
-            width = int.from_bytes(head[pos + 7 : pos + 9], "big")
-            return (height, width) if height > 0 and width > 0 else None
-        if marker == 0xD8 or 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
-            pos += 2
-            continue
-        pos += 2 + int.from_bytes(head[pos + 2 : pos + 4], "big")
-    return None
 
 
 def image_size(path: str) -> tuple[int, int]:
@@ -153,19 +116,8 @@ def image_size(path: str) -> tuple[int, int]:
 
 
 def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
-    """``(height, width)`` from an encoded image's header. A JPEG's frame header is read directly from its
-    first bytes; other formats, and JPEGs whose frame header comes later, are opened with PIL, which reads no
-    more than the header either."""
     try:
-        head = stream.read(_FIRST_READ)
-        if head[:3] == JPEG_MAGIC:
-            if (size := _jpeg_frame_size(head)) is None and len(head) == _FIRST_READ:
-                head += stream.read(_HEADER_BYTES - _FIRST_READ)
-                size = _jpeg_frame_size(head)
-            if size is not None:
-                return size
-        stream.seek(0)
-        with Image.open(stream) as img:
+        with Image.open(stream) as img:  # reads the header alone
             width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
@@ -173,8 +125,7 @@ def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
 
 
 class _HeaderSizes(torch.utils.data.IterableDataset):
-    """``(indices, int32 (N, 2) sizes)`` for chunks of an order of samples, read in a loader worker; zeros where a
-    header cannot be read (``ImageSizes.get`` names the file when its batch is made)."""
+    """``(indices, int32 (N, 2) sizes)`` for chunks of an order of samples; zeros where a header cannot be read."""
 
     def __init__(self, samples: SampleTable, order: np.ndarray, chunk: int) -> None:
         self.samples, self.order, self.chunk = samples, order, chunk
@@ -194,12 +145,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
 class ImageSizes:
     """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
 
-    ``get`` gives those of some samples, reading the headers not read yet; ``read_ahead`` has a loader
-    worker process read the headers of an order of samples ahead of the ``get`` calls that will need
-    them, so that nothing is read for the whole table before its first batch, and the reading takes
-    no time from the training process's threads. The reading stays at most ``LEAD`` headers ahead of the
-    samples ``get`` was asked for since (plus the worker's ``AHEAD`` chunks in flight): it does not open a
-    pass's files all at once while the batches open them too. A header that cannot be read is named by ``get``.
+    ``read_ahead`` has a loader worker process read the headers of an order of samples, ``AHEAD`` chunks ahead of
+    the chunks ``get`` takes from it, so that the training process does not wait on them.
 
     Args:
         samples: ``(path, label)`` samples (a ``SampleTable``).
@@ -207,15 +154,12 @@ class ImageSizes:
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
     CHUNK, AHEAD = 256, 16
-    #: Headers the chunks taken from the worker may lead the samples asked for by.
-    LEAD = 16_384
 
     def __init__(self, samples: SampleTable) -> None:
         self.samples = samples
         self.sizes = np.zeros((len(samples), 2), dtype=np.int32)  # 0: not read yet
-        self._ahead: tuple[threading.Thread, threading.Event] | None = None
-        self._moved = threading.Condition()  # notified when samples are asked for, or the reading is to stop
-        self._asked = 0  # samples asked for since the reading started
+        self._chunks: Iterator[tuple[np.ndarray, np.ndarray]] | None = None
+        self._lead = 0  # samples taken from the worker, less those asked for since ``read_ahead``
 
     def get(self, indices: np.ndarray) -> np.ndarray:
         """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
@@ -224,60 +168,38 @@ class ImageSizes:
             DataError: A header cannot be read; the message names the file.
         """
         indices = np.asarray(indices, dtype=np.int64)
-        with self._moved:
-            self._asked += len(indices)
-            self._moved.notify_all()
+        self._lead -= len(indices)
+        while self._chunks is not None and self._lead < 0:
+            try:
+                taken, sizes = next(self._chunks)
+            except (StopIteration, RuntimeError):  # all read, or the worker went away: the rest is read here
+                self._chunks = None
+                break
+            found = sizes[:, 0] > 0
+            self.sizes[taken[found]] = sizes[found]
+            self._lead += len(taken)
         for i in np.unique(indices[self.sizes[indices, 0] == 0]).tolist():
             self.sizes[i] = image_size(self.samples.path(i))
         return self.sizes[indices]
 
-    def read_ahead(self, order: np.ndarray) -> None:
-        """Starts reading the headers of samples ``order`` not read yet, in that order, in a loader worker; the last
-        such reading stops."""
+    def read_ahead(self, order: np.ndarray, start: int = 0) -> None:
+        """Starts reading the headers of samples ``order[start:]`` not read yet, in order, for ``get`` calls that ask
+        for ``order`` from its start (the first ``start`` are read by ``get`` itself); the last such reading stops."""
         self.stop()
-        order = np.asarray(order, dtype=np.int64)
+        order = np.asarray(order[start:], dtype=np.int64)
         order = order[self.sizes[order, 0] == 0]
-        if len(order) == 0:
-            return
-        done = threading.Event()
-        with self._moved:
-            self._asked = 0
-        thread = threading.Thread(target=self._read, args=(order, done), daemon=True, name="image-sizes")
-        self._ahead = (thread, done)
-        thread.start()
+        self._lead = start
+        if len(order):
+            loader = torch.utils.data.DataLoader(
+                _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
+                prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
+            )  # fmt: skip
+            with forks_skip_parent_garbage():
+                self._chunks = iter(loader)
 
     def stop(self) -> None:
         """Stops the reading ahead, if it runs, and its worker."""
-        if self._ahead is not None:
-            thread, done = self._ahead
-            with self._moved:
-                done.set()
-                self._moved.notify_all()
-            thread.join()
-            self._ahead = None
-
-    def _read(self, order: np.ndarray, done: threading.Event) -> None:
-        loader = torch.utils.data.DataLoader(
-            _HeaderSizes(self.samples, order, self.CHUNK), batch_size=None, num_workers=1,
-            prefetch_factor=self.AHEAD, collate_fn=lambda x: x,
-        )  # fmt: skip
-        with forks_skip_parent_garbage():
-            chunks = iter(loader)
-        taken = 0
-        try:
-            for indices, sizes in chunks:
-                found = sizes[:, 0] > 0
-                self.sizes[indices[found]] = sizes[found]
-                taken += len(indices)
-                with self._moved:  # the worker fills its queue of chunks meanwhile, then waits for this thread
-                    while not done.is_set() and taken - self._asked > self.LEAD:
-                        self._moved.wait()
-                if done.is_set():
-                    return
-        except Exception:  # the worker went away (the process is ending): get reads what it needs
-            return
-        finally:
-            del chunks  # stops the worker
+        self._chunks = None
 
 
 def gpu_decodable(data: Tensor) -> bool:

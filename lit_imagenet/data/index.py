@@ -1,23 +1,15 @@
 """The samples of a split as numpy arrays, and the index file that later runs read instead of walking the folders.
 
-``SampleTable`` holds a split's ``(path, label)`` samples as three arrays: every relative path end to
-end in one bytes buffer, the offsets into it, and the labels. Loader workers forked from the training
-process share such arrays without copying them; a Python list of tuples is copied page by page into
-every worker as its reference counts and the garbage collector touch it.
-
-``read_index`` and ``write_index`` keep a scanned split in one file: the table, the class names and
-the modification time of every folder scanned. A folder's time changes whenever an entry is added to
-it, removed or renamed, so an index whose folders all keep their times still lists the folder's
-files; one of them changed, added or gone means a rescan. What the times cannot show is a file
-rewritten in place (emptied or corrupted): such a file is still named, as any bad file is, when it
-is read. ``cached_scan`` reads the index under a lock, scans when it is missing or stale, and writes
-the new one atomically (a temporary file renamed over it), so that one process scans while the
-others of a node wait for its file, and two nodes writing one index at once leave a whole one.
+Loader workers forked from the training process share a ``SampleTable``'s arrays without copying them (a list of
+tuples would be copied page by page as reference counts touch it). The index keeps a scanned split with the
+modification time of every folder scanned: an entry added, removed or renamed changes its folder's time and
+means a rescan. A file rewritten in place is not seen, and is named when it is read, as any bad file is.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -28,15 +20,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, overload
+from typing import overload
 
 import numpy as np
 
 #: The layout of the index file; an index of another layout is scanned again.
 INDEX_VERSION = 1
 _MAGIC = b"LITIMGIX"
-# A folder modified this close to the start of its scan may be modified again without its time changing
-# (file systems keep times in steps of up to 2 s): no index is written for it.
+# A folder modified this close to its scan may change again with the same time (times in steps of up to 2 s).
 _RACE_NS = 2_000_000_000
 
 
@@ -57,8 +48,7 @@ class SampleTable(Sequence[tuple[str, int]]):
         self.names = names
         self.offsets = offsets
         self.labels = labels
-        self._ascii: str | None = None  # the names as one string, made when first needed, if they are ASCII
-        self._listable: bool | None = None  # ``listable()``, found when first asked
+        self._ascii: str | None = None  # the names as one string, if they are ASCII
 
     @classmethod
     def from_pairs(cls, root: str | os.PathLike[str], pairs: Iterable[tuple[str, int]]) -> SampleTable:
@@ -110,7 +100,7 @@ class SampleTable(Sequence[tuple[str, int]]):
         return os.path.join(self.root, self.relative(index)) if self.root else self.relative(index)
 
     def paths(self, indices: Iterable[int] | np.ndarray) -> list[str]:
-        """The paths of the samples ``indices``, in their order (a few hundred nanoseconds each)."""
+        """The paths of the samples ``indices``, in their order."""
         where = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
         starts, ends = self.offsets[where].tolist(), self.offsets[where + 1].tolist()
         prefix = os.path.join(self.root, "") if self.root else ""
@@ -121,54 +111,6 @@ class SampleTable(Sequence[tuple[str, int]]):
             return [prefix + text[a:b] for a, b in zip(starts, ends)]
         blob = self.names.tobytes()
         return [prefix + os.fsdecode(blob[a:b]) for a, b in zip(starts, ends)]
-
-    #: Samples a chunk of ``listing`` handles at once (about 40 bytes of working arrays per byte of names).
-    LISTING_CHUNK = 65_536
-
-    def listable(self) -> bool:
-        """Whether ``listing`` can give the table's samples: paths relative to a root, none with a line break
-        in it or white space at either end (which a list of ``path label`` lines cannot carry)."""
-        if self._listable is None:
-            names, starts, ends = self.names, self.offsets[:-1], self.offsets[1:]
-            ok = bool(self.root) and len(self) > 0 and bool((ends > starts).all())
-            if ok:
-                edges = np.concatenate([names[starts], names[ends - 1]])
-                ok = (
-                    not ((names == 10) | (names == 13)).any()
-                    and not ((edges == 32) | ((edges >= 9) & (edges <= 13))).any()
-                )
-            self._listable = ok
-        return self._listable
-
-    def listing(self, indices: np.ndarray) -> bytes:
-        """The samples ``indices`` as lines of ``relative-path label``, in their order: the file list that DALI's
-        file reader takes (``file_list``, with ``file_root`` the table's root), made with numpy, a few
-        nanoseconds a byte, without a Python string per sample. Only for a ``listable`` table."""
-        labels = self.labels.astype(np.int64)
-        classes = int(labels.max()) + 1 if len(labels) else 0
-        tails = [f" {k}\n".encode() for k in range(classes)]
-        tail_len = np.array([len(t) for t in tails], dtype=np.int64)
-        tail_start = np.zeros(classes, dtype=np.int64)
-        np.cumsum(tail_len[:-1], out=tail_start[1:])
-        source = np.concatenate([self.names, np.frombuffer(b"".join(tails), dtype=np.uint8)])
-        base = len(self.names)  # where the tails start in ``source``
-        parts = []
-        indices = np.asarray(indices, dtype=np.int64)
-        for at in range(0, len(indices), self.LISTING_CHUNK):
-            where = indices[at : at + self.LISTING_CHUNK]
-            label = labels[where]
-            # Two pieces a line, the path and its " label\n", as (start in source, length), one after the other.
-            start = np.empty(2 * len(where), dtype=np.int64)
-            length = np.empty(2 * len(where), dtype=np.int64)
-            start[0::2], start[1::2] = self.offsets[where], base + tail_start[label]
-            length[0::2], length[1::2] = self.offsets[where + 1] - self.offsets[where], tail_len[label]
-            # Each output byte's place in source: +1 within a piece, a jump at each piece's first byte.
-            step = np.ones(int(length.sum()), dtype=np.int64)
-            first = np.cumsum(length) - length
-            step[first[0]] = start[0]
-            step[first[1:]] = start[1:] - (start[:-1] + length[:-1] - 1)
-            parts.append(source.take(np.cumsum(step)).tobytes())
-        return b"".join(parts)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleTable):
@@ -186,11 +128,8 @@ class SampleTable(Sequence[tuple[str, int]]):
 
 @dataclass
 class Scan:
-    """A scanned split: its class names, its samples, and the modification time of each folder read.
-
-    ``folders`` maps each folder's path relative to the split (``"."`` for the split itself) to its
-    ``st_mtime_ns`` when it was listed; ``started_ns`` is the wall clock when the scan began.
-    """
+    """A scanned split: its class names, its samples, the ``st_mtime_ns`` of each folder read (by its path relative
+    to the split, ``"."`` for the split) and the wall clock when the scan began."""
 
     classes: list[str]
     samples: SampleTable
@@ -236,7 +175,7 @@ def write_index(path: str | os.PathLike[str], scan: Scan) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # readable by the other users of a shared cache, as files written there usually are
+        os.fchmod(fd, 0o644)  # readable by the other users of a shared cache
         with os.fdopen(fd, "wb") as f:
             f.write(_MAGIC + len(head).to_bytes(8, "little") + head + payload)
             f.flush()
@@ -303,26 +242,18 @@ def read_index(path: str | os.PathLike[str], split_dir: str | os.PathLike[str]) 
 def _locked(path: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``path`` (created if need be), where the file system has locks; else none."""
     try:
-        import fcntl
-    except ImportError:  # not a POSIX system: no lock, the atomic rename still keeps the index whole
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "ab")  # noqa: SIM115  (held until the end of the block)
+    except OSError:  # an unwritable folder: writing the index fails too, with a warning
         yield
         return
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        f: IO[bytes] | None = open(path, "ab")  # noqa: SIM115  (held until the end of the block)
-    except OSError:
-        f = None
-    if f is not None:
+    with f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks (ENOLCK, EOPNOTSUPP): go on without
+        except OSError as err:  # a file system without locks: go on without
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 raise
-    try:
         yield
-    finally:
-        if f is not None:
-            f.close()  # releases the lock
 
 
 _warned_unwritable: set[Path] = set()
@@ -335,9 +266,8 @@ def _warn(message: str) -> None:
 def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], Scan]) -> Scan:
     """``scan(split_dir)``, or the index of an earlier scan in ``index_dir`` when the folders did not change.
 
-    Under a lock on the index, so that of the processes starting together one scans and the others
-    read what it wrote. A damaged index costs one warning line and a scan; a folder where no index can
-    be written, one warning line for all its splits. ``index_dir`` ``None`` scans every time.
+    Under a lock on the index, so that of the processes starting together one scans and the others read its
+    file. A damaged or unwritable index costs one warning line. ``index_dir`` ``None`` scans every time.
     """
     if index_dir is None:
         return scan(split_dir)

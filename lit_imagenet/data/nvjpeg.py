@@ -1,20 +1,9 @@
-"""JPEG decoding on the GPU: the workers only read file bytes and draw the crops; nvJPEG decodes whole batches.
+"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): the workers read the bytes and draw the crops.
 
-With ``--data.decoder nvjpeg`` each loader worker reads a JPEG's bytes, parses its header for the
-image size and takes the crop and flip from the sample's seed (``lit_imagenet.data.crops``, the rule
-of every decoder, so a seed gives the same crops on any path). A batch is collated as an ``EncodedBatch``: the
-encoded files, the crop boxes, the flips and the labels. On the device the batch is decoded with
-one batched ``torchvision.io.decode_jpeg(..., device="cuda")`` call, each crop is resized with
-antialiased bilinear interpolation (as ``RandomResizedCrop`` and ``Resize`` do on tensors), rounded
-to uint8 and written into one ``(N, 3, S, S)`` batch, ready for the usual normalisation.
-
-``gpu_share`` below 1 splits the work: the workers decode the other images themselves (with
-``torchvision.io``), and they arrive in the batch already cropped. Files that nvJPEG cannot read
-(PNG and other formats, or JPEGs it does not support) are decoded by the workers too; a file that
-neither can decode raises ``DataError`` naming it.
-
-This module holds both sides: the workers' (``EncodedImageFolderDataset``, ``collate_encoded``) and
-the GPU's (``EncodedBatch.decode``).
+Each loader worker reads a JPEG's bytes and header size and takes the crop and flip from the sample's seed
+(``lit_imagenet.data.crops``); a batch is collated as an ``EncodedBatch``, which ``decode`` turns into uint8
+images on the device with one batched ``torchvision.io.decode_jpeg`` call and antialiased bilinear resizes.
+Images left to the workers by ``gpu_share``, and files nvJPEG cannot read, are decoded by the workers.
 """
 
 from __future__ import annotations
@@ -26,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -46,19 +36,13 @@ class EncodedImage(NamedTuple):
 
 def gpu_share_picks(index: int, share: float) -> bool:
     """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
-    if share >= 1.0:
-        return True
-    if share <= 0.0:
-        return False
+    if share >= 1.0 or share <= 0.0:
+        return share >= 1.0
     return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
 
 
 class EncodedImageFolderDataset(ImageFolderDataset):
     """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
-
-    A JPEG picked by ``gpu_share`` is only read and its header parsed; its crop box and flip are
-    ``crop_and_flip``'s for the sample's seed, those ``transform`` cuts on the CPU paths. Other files,
-    and the JPEGs left to the workers, are decoded with ``load_rgb_tensor`` and transformed here.
 
     Args:
         samples: ``(path, class index)`` pairs.
@@ -107,19 +91,15 @@ class EncodedImageFolderDataset(ImageFolderDataset):
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
-    The encoded files lie end to end in one tensor, ``blob``: a batch leaves its loader worker as a
-    handful of tensors, each of which holds a shared-memory file open until it is received (with a
-    tensor per image, 15 workers with batches of 256 ran out of file descriptors), and it is pinned
-    with one copy.
+    The encoded files lie end to end in one tensor, ``blob``: a tensor per image would hold a shared-memory
+    file descriptor each on its way from the worker.
 
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
-        blob: uint8, the encoded files of the images to decode on the device, one after the other.
-        lengths: The length in bytes of each of those files.
+        blob: uint8, the encoded files one after the other; ``lengths``: their sizes in bytes.
         crops: For each of them: the crop box, whether to mirror it, and its path.
-        encoded_positions: Their positions in the batch.
+        encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
         decoded: uint8 ``(M, 3, S, S)`` images the workers decoded already (or ``None``).
-        decoded_positions: Their positions in the batch.
         size: The side ``S`` of the output images.
         memory_format: Of the output batch.
     """
@@ -182,15 +162,12 @@ class EncodedBatch:
 
 def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int], size: int) -> Tensor:
     """Cuts ``boxes[k]`` (top, left, height, width) from each uint8 ``(3, H, W)`` picture, resizes it to ``size``
-    squared with antialiased bilinear interpolation (as ``F.interpolate(..., antialias=True)``), rounds it to uint8
-    and mirrors the pictures listed in ``flips``: a uint8 ``(N, 3, size, size)`` batch.
-    """
+    squared (antialiased bilinear), rounds it and mirrors the pictures in ``flips``: a uint8 ``(N, 3, size, size)``."""
     resized = torch.empty((len(pictures), 3, size, size), dtype=torch.float32, device=pictures[0].device)
     for k in range(len(pictures)):
         box = boxes[k]
         crop = pictures[k][:, box[0] : box[0] + box[2], box[1] : box[1] + box[3]].unsqueeze(0).float()
-        # The op behind F.interpolate(..., mode="bilinear", antialias=True), writing straight into the batch
-        torch._C._nn._upsample_bilinear2d_aa(crop, [size, size], False, out=resized[k : k + 1])
+        resized[k] = F.interpolate(crop, size=[size, size], mode="bilinear", antialias=True)[0]
     out = resized.round_().clamp_(0, 255).to(torch.uint8)
     if len(flips) > 0:  # mirrored in uint8: a quarter of the bytes of the float images
         which = torch.tensor(flips, dtype=torch.int64, device=out.device)
@@ -200,14 +177,8 @@ def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int
 
 @functools.cache
 def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[int], int], Tensor]:
-    """``resize_crops`` compiled by TorchScript, or itself where TorchScript is not available.
-
-    Compiled, the loop over a batch's pictures runs without the GIL: in Python each of its few hundred
-    operator calls releases and takes back the GIL, and while the training loop runs in another
-    thread, each taking back waits for it. ``benchmarks/resize_gil.py`` on a 2-core machine, 256 small
-    pictures: beside a thread running pure Python, 79-87 ms compiled and 3.5-3.6 s as Python; alone, 9
-    and 9-15 ms.
-    """
+    """``resize_crops`` compiled by TorchScript (its loop then runs without taking the GIL per operator, which
+    the training thread holds), or itself where TorchScript is not available."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript is deprecated in favour of torch.compile, which
@@ -236,35 +207,20 @@ def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memor
     """Collates ``(EncodedImage or uint8 (3, S, S) tensor, label)`` pairs into an ``EncodedBatch``."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
-    targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
-    encoded: list[EncodedImage] = []
-    encoded_positions: list[int] = []
-    decoded: list[Tensor] = []
-    decoded_positions: list[int] = []
-    size: int | None = None
-    for pos, (item, _) in enumerate(batch):
-        side = item.size if isinstance(item, EncodedImage) else int(item.shape[-1])
-        if size is None:
-            size = side
-        elif side != size:
-            raise ValueError(f"All images of a batch need one size. Image 0 is {size}, image {pos} is {side}")
-        if isinstance(item, EncodedImage):
-            encoded.append(item)
-            encoded_positions.append(pos)
-        else:
-            decoded.append(item)
-            decoded_positions.append(pos)
-    stacked = torch.stack(decoded) if decoded else None
-    assert size is not None
-    blob = torch.cat([item.data.reshape(-1) for item in encoded]) if encoded else torch.empty(0, dtype=torch.uint8)
+    sides = [item.size if isinstance(item, EncodedImage) else int(item.shape[-1]) for item, _ in batch]
+    for pos, side in enumerate(sides):
+        if side != sides[0]:
+            raise ValueError(f"All images of a batch need one size. Image 0 is {sides[0]}, image {pos} is {side}")
+    encoded = [(pos, item) for pos, (item, _) in enumerate(batch) if isinstance(item, EncodedImage)]
+    decoded = [(pos, item) for pos, (item, _) in enumerate(batch) if not isinstance(item, EncodedImage)]
     return EncodedBatch(
-        targets,
-        blob,
-        [int(item.data.numel()) for item in encoded],
-        [(item.box, item.flip, item.path) for item in encoded],
-        encoded_positions,
-        stacked,
-        decoded_positions,
-        size,
-        memory_format,
+        targets=torch.tensor([int(t) for _, t in batch], dtype=torch.int64),
+        blob=torch.cat([item.data.reshape(-1) for _, item in encoded] or [torch.empty(0, dtype=torch.uint8)]),
+        lengths=[int(item.data.numel()) for _, item in encoded],
+        crops=[(item.box, item.flip, item.path) for _, item in encoded],
+        encoded_positions=[pos for pos, _ in encoded],
+        decoded=torch.stack([item for _, item in decoded]) if decoded else None,
+        decoded_positions=[pos for pos, _ in decoded],
+        size=sides[0],
+        memory_format=memory_format,
     )

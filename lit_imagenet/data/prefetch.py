@@ -1,30 +1,15 @@
 """Batches that reach the GPU already normalised, one step ahead of the compute.
 
-The idea is NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers
-collate uint8 images, which are a quarter of the bytes of float32; the main process copies batch
-N+1 to the GPU on a side CUDA stream, converts it to float and normalises it there while the
-default stream still computes batch N; the hand-over makes the default stream wait for the side
-stream and records the tensors on it, so the caching allocator does not recycle their memory too
-early.
-
-Page-locked (pinned) host memory makes those copies asynchronous. Torch's caching host allocator
-rounds each block up to a power of two and keeps it for reuse, so a run holds as many blocks as it
-ever had batches pinned at once. ``DataLoader``'s pin thread pins every batch as soon as a worker hands
-it over: with 15 workers two batches ahead and batches of 256, the training process held 31 blocks of
-64 MiB (1.9 GiB) on an H200. On CUDA the prefetcher pins instead, in its own thread, only the batches
-it is about to copy: a few blocks.
-
-``PrefetchLoader`` is a ``DataLoader``, so Lightning injects its ``DistributedSampler`` and calls
-``set_epoch`` on it as for any loader. Its ``device`` is set by the ``CUDAPrefetch`` callback (here,
-below the LightningModule, which attaches it); on anything but a CUDA device it iterates like a plain
-``DataLoader`` and the model normalises the uint8 batch itself after Lightning's transfer.
+The idea of NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers collate uint8
+images; the next batch is copied to the GPU and normalised there on a side stream while the current one trains;
+the hand-over makes the training stream wait for the side stream and records the tensors on it. On anything but a
+CUDA device ``PrefetchLoader`` iterates like a plain ``DataLoader`` and the model normalises the uint8 batch.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -38,7 +23,6 @@ from typing_extensions import override
 from lit_imagenet.compat import stop_workers
 from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.data.samplers import moves_by_epoch
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
@@ -71,26 +55,10 @@ def _record(batch: Any, stream: torch.cuda.Stream) -> None:
 class CUDAPrefetcher:
     """Iterates ``source`` ahead of the training loop, copying and normalising each batch on a side stream.
 
-    A batch is a list or tuple whose first element is a uint8 image tensor; every tensor in it is
-    moved to ``device``, and the images are normalised to float32. Such batches are prepared one
-    step ahead.
-
-    A batch with a ``decode(device)`` method (an ``EncodedBatch`` of JPEGs for nvJPEG) is decoded in
-    a background thread, on a stream of its own: nvJPEG's batched decode blocks the calling thread
-    until the GPU has finished, and done inline that wait would stall the launching of the current
-    training step. Up to ``decode_ahead`` batches are queued for that thread, so that a batch which
-    takes longer than a step to decode is made up by the next ones. Decoded batches wait in uint8;
-    the hand-over makes the training stream wait for the batch's work on the device (not on the
-    host) and normalises it there.
-
-    With ``pin``, batches are not expected in page-locked memory: that thread pins each one (those
-    already pinned are kept as they are), copies it to the device and normalises it on its stream, up to
-    ``decode_ahead`` batches ahead, so that only those batches are pinned at any time, and the training
-    stream only waits for them.
-
-    In a profiler trace the host side shows as ``prefetch: next batch`` (waiting for the loader),
-    ``prefetch: wait for decode`` (the training loop waiting for the decode thread) and
-    ``prefetch: decode`` (the decode thread's work, pinning and copying included).
+    A batch is a list or tuple whose first element is a uint8 image tensor; its tensors go to ``device`` and its
+    images are normalised to float32, one step ahead. A batch with a ``decode(device)`` method (an ``EncodedBatch``
+    for nvJPEG), and with ``pin`` every batch, is pinned, copied and decoded in a thread of its own on a stream of
+    its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode blocks its calling thread until the GPU is done.
     """
 
     def __init__(
@@ -109,7 +77,6 @@ class CUDAPrefetcher:
         self.decode_ahead = decode_ahead
         self.pin = pin
         self.stream = torch.cuda.Stream(device=device)
-        # The constants were copied to the device on the current stream; the side stream reads them.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
@@ -184,76 +151,11 @@ class CUDAPrefetcher:
         return batch
 
 
-class _FirstBatchInPieces:
-    """The batches of a batch sampler, the first of each pass cut into up to ``pieces`` runs of consecutive samples.
-
-    ``first_pieces`` is the number of pieces of the pass started last, set when its first batch is drawn: DataLoader's
-    iterator draws the first tasks of a pass as it starts it, before the pass's first piece can be handed over. Nothing
-    is drawn before that (DataLoader makes an iterator of its index sampler more than once, and the first draw of a
-    resumed sampler uses its skip up).
-    """
-
-    def __init__(self, batches: Iterable[Sequence[Any]], pieces: int) -> None:
-        self.batches = batches
-        self.pieces = pieces
-        self.first_pieces = 0
-        #: Cut the first batch of the passes started from now on (read as a pass draws its first batch).
-        self.active = True
-
-    def __len__(self) -> int:
-        return len(self.batches)  # type: ignore[arg-type]  # whole batches: the loader's length
-
-    def __iter__(self) -> Iterator[Sequence[Any]]:
-        batches = iter(self.batches)
-        first = next(batches, None)
-        if first is None:
-            self.first_pieces = 0
-            return
-        first = list(first)
-        count = min(self.pieces, len(first)) if self.active else 1
-        bounds = [len(first) * i // count for i in range(count + 1)]
-        self.first_pieces = count
-        for start, end in zip(bounds, bounds[1:]):
-            yield first[start:end]
-        while (batch := next(batches, None)) is not None:  # not ``yield from``, which would call ``iter`` again:
-            yield batch  # Lightning's batch sampler of a prediction starts over at each ``iter``
-
-
-def _joined(parts: list[Any]) -> Any:
-    """The batch made of ``parts``, batches of the same tensors one after the other: each tensor concatenated."""
-    first = parts[0]
-    if not isinstance(first, (list, tuple)) or not all(isinstance(item, Tensor) for item in first):
-        raise TypeError(
-            f"split_first joins batches that are lists or tuples of tensors; this loader's are {type(first).__name__}. "
-            "Set split_first=False for it."
-        )
-    joined = [torch.cat(items) for items in zip(*parts)]
-    if first[0].is_pinned():
-        joined = [item.pin_memory() for item in joined]
-    return type(first)(joined)
-
-
-def _first_joined(source: Iterator[Any], pieces: int) -> Iterator[Any]:
-    """``source``'s batches, its first ``pieces`` joined into one."""
-    parts = list(itertools.islice(source, pieces))
-    if parts:
-        yield _joined(parts)
-    yield from source
-
-
 class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
 
-    With a CUDA ``device``, ``pin_memory=True`` is carried out by the prefetcher, batch by batch as it
-    copies them (``CUDAPrefetcher``'s ``pin``): ``DataLoader`` gets ``pin_memory=False``, so that it starts
-    no pin thread, and ``pins_in_prefetcher`` is set.
-
-    With ``split_first`` and two or more workers, the first batch of a pass that starts when it is asked for
-    (a run's first epoch, a resumed one, each evaluation whose workers start with it) is decoded in pieces,
-    one per worker, which are joined in this process: it then comes once each worker has decoded its share
-    of it, where one worker would decode all of it (256 images, most of a second with PIL), while the GPU
-    waits. An epoch started early, as the last one ends, has its first batch decoded whole meanwhile. The
-    batches, their samples and their order are the same either way.
+    On CUDA, ``pin_memory=True`` is left to the prefetcher, which pins only the batches it is about to copy
+    (``pins_in_prefetcher``), where ``DataLoader``'s pin thread would pin every batch the workers hand over.
 
     Args:
         *args: Passed to ``DataLoader``.
@@ -261,8 +163,6 @@ class PrefetchLoader(DataLoader):
         mean: Per-channel mean for normalisation on the GPU.
         std: Per-channel standard deviation for normalisation on the GPU.
         decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``, which checks it).
-        split_first: Decode each pass's first batch in pieces, one per worker. Its batches must be lists or
-            tuples of tensors, which are concatenated.
         **kwargs: Passed to ``DataLoader``.
     """
 
@@ -273,12 +173,9 @@ class PrefetchLoader(DataLoader):
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         decode_ahead: int = 2,
-        split_first: bool = False,
         **kwargs: Any,
     ) -> None:
         self.device = torch.device(device) if device is not None else None
-        self.split_first = split_first
-        self._pieces: _FirstBatchInPieces | None = None
         self.pins_in_prefetcher = bool(kwargs.get("pin_memory")) and self._prefetches()
         if self.pins_in_prefetcher:
             kwargs["pin_memory"] = False  # no pin thread: the prefetcher pins
@@ -286,40 +183,20 @@ class PrefetchLoader(DataLoader):
         self.mean = tuple(mean)
         self.std = tuple(std)
         self.decode_ahead = decode_ahead
-        self._next_epoch: tuple[int, Iterator[Any], int] | None = None
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 
     def _prefetches(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
-    @property
-    def _index_sampler(self) -> Any:
-        # What DataLoader's iterator draws the samples of each task from: with split_first, the batch sampler's
-        # batches with the first of each pass in pieces, which _epoch joins again.
-        batches = super()._index_sampler
-        if not self.split_first or self.num_workers < 2 or self.batch_sampler is None:
-            return batches
-        if self._pieces is None or self._pieces.batches is not batches:
-            self._pieces = _FirstBatchInPieces(batches, self.num_workers)
-        return self._pieces
-
     def stop_workers(self) -> None:
-        """Stops the worker processes of the pass under way, unless they are persistent; the next pass starts others.
-
-        A pass stops them itself once it has its last batch; this is for a pass that ends earlier
-        (``--trainer.limit_val_batches``, the sanity check): ``CUDAPrefetch`` calls it at each
-        evaluation's end.
-        """
+        """Stops the workers of a pass that ended before its last batch (``limit_val_batches``, the sanity check),
+        unless they are persistent."""
         source, self._pass_workers = self._pass_workers, None
         if source is not None:
             stop_workers(source)
 
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with.
-
-        Where in the epoch to resume is not kept here (this loader runs ahead of training); the data
-        module reads it from the trainer's restored progress.
-        """
+        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with."""
         seed = getattr(self.sampler, "seed", None)
         return {} if seed is None else {"seed": int(seed)}
 
@@ -327,72 +204,26 @@ class PrefetchLoader(DataLoader):
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])
 
-    def _stops_workers_with_each_pass(self) -> bool:
-        return not self.persistent_workers and self.num_workers > 0
-
-    def _starts_next_epoch_early(self) -> bool:
-        # Only a shuffling sampler that knows its epoch (a training sampler) is moved on, and only
-        # persistent workers keep decoding between two iterations.
-        return self.persistent_workers and moves_by_epoch(self.sampler)
-
-    def _start_next_epoch(self) -> None:
-        epoch = int(self.sampler.epoch) + 1  # type: ignore[attr-defined]
-        self.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        # Whole: the workers decode its first batch while the last epoch ends (validation, the checkpoint), and
-        # a batch in pieces would only add their joining to the epoch's start.
-        self._next_epoch = (epoch, *self._new_pass(split=False))
-
-    def _new_pass(self, split: bool = True) -> tuple[Iterator[Any], int]:
-        """DataLoader's iterator of a new pass, and the pieces its first batch comes in (``split_first``; with
-        ``split`` false, one)."""
-        if isinstance(self._index_sampler, _FirstBatchInPieces):
-            self._index_sampler.active = split
-        # DataLoader's iterator forks the workers (the first time, for persistent ones).
-        with forks_skip_parent_garbage():
-            source = super().__iter__()
-        pieces = self._pieces.first_pieces if self._pieces is not None and self._index_sampler is self._pieces else 1
-        return source, pieces
-
-    def _epoch(self, source: Iterator[Any], pieces: int = 1) -> Iterator[Any]:
-        """Yields the pass's batches; on its last one, starts the workers on the next epoch or stops them.
-
-        Lightning stops asking once it has the pass's last batch (it counts them), so the loader's
-        iterator never runs out by itself. Persistent training workers would sit idle through
-        validation and checkpointing and start the next epoch only when asked, with the GPU waiting
-        for its first batches: started here, they decode during that time instead. Workers that are not
-        persistent (evaluation's, by default) would live on, holding their memory, until the next pass
-        replaced the iterator: they are stopped here, once the last batch is in hand.
-        """
-        early = self._starts_next_epoch_early()
-        total = len(self) if early or self._stops_workers_with_each_pass() else -1
-        count = 0
-        for batch in _first_joined(source, pieces) if pieces > 1 else source:
-            count += 1
+    def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
+        """Yields the pass's batches; at the last one (Lightning asks for no more), stops the workers of a pass that
+        does not keep them (evaluation's, by default), which would otherwise hold their memory until the next pass."""
+        total = len(self)
+        for count, batch in enumerate(source, 1):
             if count == total:
-                if early:
-                    # The loader's iterator is the persistent one: once it is moved on to the next
-                    # epoch, this pass must not ask it for more.
-                    self._start_next_epoch()
-                else:
-                    stop_workers(source)
-                    if self._pass_workers is source:
-                        self._pass_workers = None
+                stop_workers(source)
+                if self._pass_workers is source:
+                    self._pass_workers = None
                 yield batch
                 return
             yield batch
-        if early and count > 0:  # a shorter pass (resumed part-way) ran out
-            self._start_next_epoch()
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        early, self._next_epoch = self._next_epoch, None
-        if early is not None and early[0] == getattr(self.sampler, "epoch", None):
-            source, pieces = early[1:]  # started when the last epoch ran out, for the epoch asked for now
-        else:
-            source, pieces = self._new_pass()
-        if self._stops_workers_with_each_pass():
+        with forks_skip_parent_garbage():  # DataLoader's iterator forks the workers (once, for persistent ones)
+            source = super().__iter__()
+        if not self.persistent_workers and self.num_workers > 0:
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
-        source = self._epoch(source, pieces)
+            source = self._epoch(source)
         if not self._prefetches():
             return source
         normalize = Uint8Normalize(self.mean, self.std)
@@ -402,20 +233,9 @@ class PrefetchLoader(DataLoader):
 class CUDAPrefetch(pl.Callback):
     """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
 
-    Lightning creates the loaders and draws their first batch before any epoch-start hook runs, so
-    the device is handed to the data module in ``setup``; the data module's ``PrefetchLoader`` then
-    copies and normalises each batch on a side stream, one step ahead. On other devices nothing
-    changes and the model normalises the uint8 batches itself. A data module takes part by having a
-    ``prefetch_device`` attribute.
-
-    At the end of each validation, test and prediction it stops the worker processes of that pass
-    (``PrefetchLoader.stop_workers``) unless they are persistent, also when the pass read fewer
-    batches than its loader has (the sanity check, ``limit_val_batches``): training then runs with
-    its own workers alone.
-
-    ``ImageClassifier`` attaches it (``configure_callbacks``), so a plain ``Trainer().fit(model, data)``
-    prefetches; on the command line ``--prefetch.enabled`` configures that one. A ``CUDAPrefetch`` given
-    to the Trainer takes its place.
+    Lightning creates the loaders before any epoch-start hook, so the device is handed to the data module (one
+    with a ``prefetch_device`` attribute) in ``setup``. At the end of each evaluation it stops that pass's workers
+    unless they are persistent. ``ImageClassifier`` attaches it; one given to the Trainer takes its place.
 
     Args:
         enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
@@ -434,11 +254,9 @@ class CUDAPrefetch(pl.Callback):
 
     @classmethod
     def _stop_workers(cls, loaders: Any) -> None:
-        if isinstance(loaders, PrefetchLoader):
-            loaders.stop_workers()
-        elif isinstance(loaders, (list, tuple, dict)):
-            for loader in loaders.values() if isinstance(loaders, dict) else loaders:
-                cls._stop_workers(loader)
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            if isinstance(loader, PrefetchLoader):
+                loader.stop_workers()
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

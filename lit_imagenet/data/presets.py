@@ -1,10 +1,5 @@
-"""ImageNet presets: the normalisation constants and the train and eval transforms of the CPU decoders.
-
-The training crop and flip come from the crop rule of every decoder (``lit_imagenet.data.crops``):
-the PIL and ``torchvision`` paths cut them with ``TrainCrop``, the nvJPEG and DALI paths cut the same
-boxes on the GPU, so a seed gives the same crop and flip on any of them. Normalisation happens after
-the batch is collated as uint8, on the GPU when there is one (``Uint8Normalize``).
-"""
+"""ImageNet presets: the normalisation constants, ``Uint8Normalize``, and the train and eval transforms of the CPU
+decoders (the training crop from ``data.crops``, the rule every decoder follows)."""
 
 from __future__ import annotations
 
@@ -24,10 +19,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class Uint8Normalize(nn.Module):
-    """Turns uint8 images in [0, 255] into normalised floats: ``(x / 255 - mean) / std``.
-
-    One multiply and one add with per-channel constants kept as buffers, so they move with the
-    module and cost no host-to-device copy per batch. The memory format of the input is kept.
+    """Turns uint8 images in [0, 255] into normalised floats, ``(x / 255 - mean) / std``, in their memory format.
 
     Args:
         mean: Per-channel mean of images scaled to [0, 1].
@@ -55,20 +47,13 @@ class Uint8Normalize(nn.Module):
 
 
 class TrainCrop:
-    """RandomResizedCrop and a horizontal flip, drawn from the sample's augmentation seed by the crop rule.
-
-    The crop box and the flip are ``crops.crop_and_flip``'s, the rule every decoder follows, so a seed
-    gives the same crop on PIL images (``pil``) as on uint8 tensors (``torchvision``, resized in uint8
-    arithmetic by ``transforms.v2``), and as the nvJPEG and DALI paths cut. The crop is resized to
-    ``size`` squared with antialiased bilinear interpolation.
+    """RandomResizedCrop and a horizontal flip from the sample's seed (``crops.crop_and_flip``, the rule of every
+    decoder), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear).
 
     Args:
         size: Side of the output image.
         scale: Range of the crop's area, as a fraction of the image.
     """
-
-    #: Datasets pass the sample's seed (``EpochSeededSampler``) as the second argument.
-    takes_seed = True
 
     def __init__(self, size: int, scale: tuple[float, float]) -> None:
         self.size = size

@@ -1,15 +1,13 @@
 """The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
 
-A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seed``, from which
-``lit_imagenet.data.crops`` draws them), never on which worker loads it or whether the run restarted;
-a run resumed part-way through an epoch continues with the very same batches (``resume_position``).
+A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seeds``), so a run resumed
+part-way through an epoch continues with the very same batches (``resume_position``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import pytorch_lightning as pl
@@ -19,43 +17,18 @@ from torch.utils.data import Dataset, DistributedSampler
 from lit_imagenet import compat
 
 
-@contextmanager
-def seeded_rng(seed: int | None) -> Iterator[None]:
-    """Draws inside come from torch's CPU generator seeded with ``seed``; its state is restored after.
-
-    torchvision's random transforms draw from that global generator: seeding it per sample makes
-    the augmentation independent of worker count, order and restarts. Only the CPU generator is
-    seeded (``torch.manual_seed`` also seeds every device, and is 15x slower). ``None``: the draws
-    come from the generator as it is, and advance it.
-    """
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(seed)
-        yield
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The augmentation seed of sample ``index`` in ``epoch`` of a run seeded with ``seed``."""
-    return (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + index) & 0x7FFFFFFFFFFFFFFF
-
-
 def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
-    """``sample_seed`` of many samples at once, as uint64: the same numbers, computed with numpy."""
+    """The augmentation seeds (uint64) of samples ``indices`` in ``epoch`` of a run seeded with ``seed``."""
     base = (((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003) & 0x7FFFFFFFFFFFFFFF
     return (np.uint64(base) + np.asarray(indices, dtype=np.uint64)) & np.uint64(0x7FFFFFFFFFFFFFFF)
 
 
 def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0) -> np.ndarray:
-    """The sample indices of ``rank`` in ``epoch``, after the first ``done`` samples of the epoch were trained on.
+    """The sample indices of ``rank`` in ``epoch``, after the epoch's first ``done`` samples (over all processes).
 
-    The epoch's order is one permutation of the ``size`` samples, fixed by ``seed + epoch``. The
-    samples not yet trained on (all but its first ``done``) are padded with the permutation's first
-    ones to a multiple of ``replicas``, and ``rank`` takes every ``replicas``-th of them. With
-    ``done`` 0 this is ``DistributedSampler``'s order. ``done`` counts samples over all processes:
-    ``replicas`` processes that each trained ``k`` samples of the epoch trained its first
-    ``replicas * k``, whatever ``replicas`` the rest is shared out among.
+    The epoch's permutation is fixed by ``seed + epoch``; the samples after its first ``done`` are padded with its
+    first ones to a multiple of ``replicas`` and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s
+    order when ``done`` is 0), whatever the number of processes that trained the first ``done``.
     """
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
@@ -70,12 +43,8 @@ def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done
 class EpochSeededSampler(DistributedSampler):
     """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
 
-    It yields ``(index, augmentation seed)`` pairs, so that a sample's crop and flip depend only on
-    the seed, the epoch and the sample, not on which worker loads it or whether the run restarted.
-    Like ``DistributedSampler`` it shards (and pads) across ``num_replicas`` processes; with one
-    process it is a seeded shuffle. ``resume_at`` makes the next pass over ``epoch`` start after the
-    samples already trained on, so a run killed mid-epoch continues with the very same batches.
-    ``order`` gives the pass as numpy arrays, with no Python object per sample.
+    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``. ``resume_at``
+    makes the next pass over ``epoch`` start after the samples already trained on.
 
     Args:
         dataset: The training dataset.
@@ -118,20 +87,9 @@ def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterato
         yield from zip(indices[start : start + chunk].tolist(), seeds[start : start + chunk].tolist())
 
 
-def moves_by_epoch(sampler: object) -> bool:
-    """Whether ``sampler`` is a training order that a loader can move on to its next epoch ahead of time.
-
-    A shuffling sampler that knows its epoch (``EpochSeededSampler``): its next epoch's order is known as
-    soon as the current one is out. Evaluation samplers are not moved on.
-    """
-    return bool(getattr(sampler, "shuffle", False)) and hasattr(sampler, "set_epoch") and hasattr(sampler, "epoch")
-
-
 def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
-    """``(epoch, batches already trained in it)`` for a run restored from a checkpoint (``(0, 0)`` otherwise).
-
-    Read from the fit loop's restored progress, which Lightning loads before it asks for the loader.
-    """
+    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (``(epoch, 0)`` unless
+    restarting); Lightning restores it before it asks for the loader."""
     loop = trainer.fit_loop
     if not loop.restarting:
         return trainer.current_epoch, 0
@@ -143,12 +101,8 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
-    """Gives each rank every ``num_replicas``-th sample, without padding the shards to one length.
-
-    ``DistributedSampler`` repeats samples so that every rank gets as many; that biases validation
-    metrics whenever the split does not divide by the number of processes. Here the shards differ
-    by at most one sample and every sample is seen exactly once, so summed metrics are exact.
-    """
+    """Gives each rank every ``num_replicas``-th sample without padding (``DistributedSampler`` repeats samples), so
+    that every sample is seen once and summed validation metrics are exact."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
@@ -170,16 +124,12 @@ def split_sampler(
     batch_size: int,
     saved: dict[str, int] | None = None,
 ) -> DistributedSampler | None:
-    """The sampler of a split's loader, for this process of the trainer's run (one process without a trainer).
+    """The sampler of a split's loader for this process: training, an ``EpochSeededSampler`` at the restored position
+    of a resumed run; evaluation, an ``UnpaddedDistributedSampler`` under DDP, else none.
 
-    Training: an ``EpochSeededSampler``, set to the restored position of a resumed run. Evaluation:
-    an ``UnpaddedDistributedSampler`` under DDP, else none (the loader's own order).
-
-    A run resumed part-way through an epoch goes on after the samples its checkpoint's run trained on: the
-    first ``processes x batch_size x batches`` of the epoch's order, counted with ``saved``'s processes and
-    batch size (``world_size``, ``batch_size``: those of the run that saved the checkpoint; this run's when
-    ``None``). When they differ from this run's, the rest of the epoch is shared out among this run's
-    processes in this run's batches, and the fit loop's batch counts are moved on to match.
+    A resumed epoch skips the ``processes x batch_size x batches`` samples its checkpoint's run trained, counted
+    with ``saved``'s ``world_size`` and ``batch_size`` (this run's when ``None``); when those differ from this run's,
+    the fit loop's batch counts are moved on to match the rest of the epoch in this run's batches.
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:

@@ -1,11 +1,5 @@
-"""A small, learnable ImageFolder of coloured shapes, for the demo, the tests and the benchmarks.
-
-Each class is a shape (circle, square, triangle, cross, ring, star) drawn at a random size,
-position and rotation, in a colour whose hue leans to the class (so that a small network learns
-it in a few CPU minutes), on a noisy background of a random colour, saved as JPEG. The folder
-gets ``train/`` and ``val/`` splits; a finished folder is reused when asked for again with the
-same settings. Run ``python -m lit_imagenet.data.synthetic --help``.
-"""
+"""A small, learnable ImageFolder of coloured shapes (one class per shape, a hue leaning to the class, a noisy
+background), for the demo, the tests and the benchmarks. Run ``python -m lit_imagenet.data.synthetic --help``."""
 
 from __future__ import annotations
 
@@ -17,7 +11,6 @@ import shutil
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytorch_lightning as pl
@@ -146,39 +139,22 @@ def make_shapes(
     return root
 
 
-class SyntheticBatches:
-    """``steps`` times the same ``[uint8 images, int64 targets]`` batch, made on ``device`` at each pass."""
+class _Repeated:
+    """``steps`` times ``batch``, with a length and a batch size (a list of batches would read as several loaders)."""
 
-    def __init__(
-        self, steps: int, batch_size: int, crop_size: int, num_classes: int, device: Any, channels_last: bool
-    ) -> None:
-        self.steps = steps
-        self.batch_size = batch_size
-        self.crop_size = crop_size
-        self.num_classes = num_classes
-        self.device = device
-        self.channels_last = channels_last
+    def __init__(self, batch: list[torch.Tensor], steps: int) -> None:
+        self.batch, self.steps, self.batch_size = batch, steps, len(batch[1])
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
-        device = torch.device(self.device if self.device is not None else "cpu")
-        g = torch.Generator(device=device).manual_seed(0)
-        shape = (self.batch_size, 3, self.crop_size, self.crop_size)
-        images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
-        if self.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        targets = torch.randint(0, self.num_classes, (self.batch_size,), device=device, generator=g)
-        return iter([images, targets] for _ in range(self.steps))
+        return iter([self.batch] * self.steps)
 
 
 class SyntheticDataModule(pl.LightningDataModule):
-    """Random uint8 batches made on the training device: ``fit`` with no loading, decoding or copying.
-
-    Measures what the training loop itself costs: the same random batch every step, already on the
-    GPU (the device is handed over by the ``CUDAPrefetch`` callback), normalised by the model like any
-    uint8 batch. ``benchmarks/throughput.py`` compares it with a hand-written loop.
+    """The same random uint8 batch every step, made on the training device (``CUDAPrefetch`` hands it over): ``fit``
+    with no loading, decoding or copying, to measure the training loop itself.
 
     Args:
         batch_size: Images per batch in each process.
@@ -215,19 +191,21 @@ class SyntheticDataModule(pl.LightningDataModule):
         """Number of classes of the labels."""
         return len(self.classes)
 
-    def _batches(self, steps: int) -> SyntheticBatches:
-        device = self.prefetch_device
-        if device is None and self.trainer is not None:
-            device = self.trainer.strategy.root_device
-        channels_last = self.channels_last
-        if channels_last is None:
-            channels_last = device is not None and torch.device(device).type == "cuda"
-        return SyntheticBatches(steps, self.batch_size, self.crop_size, self.num_classes, device, channels_last)
+    def _batches(self, steps: int) -> _Repeated:
+        device = self.prefetch_device or (self.trainer.strategy.root_device if self.trainer is not None else None)
+        device = torch.device(device if device is not None else "cpu")
+        g = torch.Generator(device=device).manual_seed(0)
+        shape = (self.batch_size, 3, self.crop_size, self.crop_size)
+        images = torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=g)
+        if self.channels_last or (self.channels_last is None and device.type == "cuda"):
+            images = images.contiguous(memory_format=torch.channels_last)
+        targets = torch.randint(0, self.num_classes, (self.batch_size,), device=device, generator=g)
+        return _Repeated([images, targets], steps)
 
-    def train_dataloader(self) -> SyntheticBatches:
+    def train_dataloader(self) -> _Repeated:
         return self._batches(self.train_steps)
 
-    def val_dataloader(self) -> SyntheticBatches:
+    def val_dataloader(self) -> _Repeated:
         return self._batches(self.val_steps)
 
 

@@ -1,11 +1,7 @@
-"""The DALI pipeline graph, and the external sources that give it each batch's crop windows and sizes.
+"""The DALI pipeline graph (that of DALI's ResNet-50 example), and the external sources of its crops and sizes.
 
-The graph is that of DALI's ResNet-50 example: ``readers.file`` reads the files in the order given,
-the decoder fuses decoding with the crop (ROI decoding; on CUDA the ``mixed`` decoder, which hands
-part of the JPEGs to the GPU's hardware decoder), ``resize`` scales the crop, and
-``crop_mirror_normalize`` flips, normalises and lays the batch out. Nothing is drawn at random in
-the pipeline: the crop windows come from the samples' seeds (``lit_imagenet.data.crops``) through an
-external source, so that a resumed epoch cuts the same crops again.
+Nothing is drawn at random in the pipeline: the crop windows come from the samples' seeds
+(``lit_imagenet.data.crops``) through an external source, so that a resumed epoch cuts the same crops again.
 """
 
 from __future__ import annotations
@@ -20,45 +16,37 @@ import torch
 from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips
 
 
-class GeometrySource:
-    """The external source of an evaluation pipeline: batch ``i``'s resized sizes and crop positions.
+class _Source:
+    """An external source: per batch ``i``, the rows of ``indices`` (the samples the reader reads, in its order) that
+    it reads; like the reader, the last batch is padded with the last sample and the next starts over."""
 
-    Args:
-        indices: The samples the reader reads, in its order.
-        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
-        batch_size: Samples per batch.
-        resize: The short side after resizing.
-        crop: The side of the centre crop.
-    """
+    def __init__(self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int) -> None:
+        self.indices = indices
+        self.sizes = sizes  # ``(height, width)`` of samples (``images.ImageSizes.get``)
+        self.batch_size = batch_size
+        self.batches = max(1, math.ceil(len(indices) / batch_size))
+
+    def rows(self, iteration: int) -> np.ndarray:
+        start = (iteration % self.batches) * self.batch_size
+        return np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
+
+
+class GeometrySource(_Source):
+    """The external source of an evaluation pipeline: each batch's resized sizes and centre crop positions."""
 
     def __init__(
         self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int, resize: int, crop: int
     ) -> None:
-        self.indices = indices
-        self.sizes = sizes
-        self.batch_size = batch_size
+        super().__init__(indices, sizes, batch_size)
         self.resize, self.crop = resize, crop
-        self.batches = max(1, math.ceil(len(indices) / batch_size))
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
-        return eval_geometry(self.sizes(self.indices[rows]), self.resize, self.crop)
+        return eval_geometry(self.sizes(self.indices[self.rows(iteration)]), self.resize, self.crop)
 
 
-class CropSource:
-    """The external source of a training pipeline: batch ``i``'s crop windows and flips, in the reader's order.
-
-    Computed batch by batch with numpy from the samples' seeds and image sizes, so that DALI's CPU
-    threads only read and decode the files.
-
-    Args:
-        indices: The samples the reader reads, in its order.
-        seeds: Their augmentation seeds.
-        sizes: Gives the ``(height, width)`` of samples (``images.ImageSizes.get``), read when first asked for.
-        batch_size: Samples per batch.
-        scale: Range of the crop's area, as a fraction of the image.
-    """
+class CropSource(_Source):
+    """The external source of a training pipeline: each batch's crop windows and flips, from the samples' ``seeds``
+    (``crop_draws``) and the ``scale`` of their area."""
 
     def __init__(
         self,
@@ -68,17 +56,12 @@ class CropSource:
         batch_size: int,
         scale: tuple[float, float],
     ) -> None:
-        self.indices = indices
+        super().__init__(indices, sizes, batch_size)
         self.seeds = np.asarray(seeds, dtype=np.uint64)
-        self.sizes = sizes
-        self.batch_size = batch_size
         self.scale = scale
-        self.batches = max(1, math.ceil(len(self.seeds) / batch_size))
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # The reader pads the last batch with its last sample and then starts over: the same here.
-        start = (iteration % self.batches) * self.batch_size
-        rows = np.minimum(np.arange(start, start + self.batch_size), len(self.seeds) - 1)
+        rows = self.rows(iteration)
         draws = crop_draws(self.seeds[rows], self.scale)
         box = crop_windows(self.sizes(self.indices[rows]), draws)
         anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
@@ -87,12 +70,10 @@ class CropSource:
 
 
 def build_pipeline(
-    files: list[str] | None,
-    labels: list[int] | None,
+    files: list[str],
+    labels: list[int],
     source: CropSource | GeometrySource,
     *,
-    file_list: str | None = None,
-    file_root: str | None = None,
     batch_size: int,
     threads: int,
     device_id: int | None,
@@ -103,16 +84,9 @@ def build_pipeline(
     std: Sequence[float],
     hw_decoder_load: float,
 ) -> Any:
-    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches.
-
-    Or the files of ``file_list``, a text file of ``path label`` lines (``SampleTable.listing``), each path
-    under ``file_root``: DALI reads it at the build, where a Python list of a million paths takes seconds
-    to hand over, holding the interpreter.
-
-    A ``CropSource`` makes it a training pipeline (the source's crop windows, resized to ``crop_size``
-    squared, mirrored where the source says); a ``GeometrySource`` an evaluation one (the whole image
-    resized and centre-cropped as the source says). ``device_id`` ``None`` runs it on the CPU.
-    """
+    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches:
+    ``source``'s crops resized to ``crop_size`` squared and mirrored (a ``CropSource``), or the whole image resized
+    and centre-cropped (a ``GeometrySource``). ``device_id`` ``None`` runs it on the CPU."""
     from nvidia.dali import fn, pipeline_def, types
 
     cuda = device_id is not None
@@ -125,10 +99,9 @@ def build_pipeline(
     # seed: nothing is drawn in the pipeline, the crops come from the samples' seeds
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=0)
     def pipeline() -> tuple[Any, Any]:
-        listed: dict[str, Any] = {"files": files, "labels": labels}
-        if file_list is not None:
-            listed = {"file_list": file_list, "file_root": file_root}
-        encoded, label = fn.readers.file(random_shuffle=False, pad_last_batch=True, name="Reader", **listed)
+        encoded, label = fn.readers.file(
+            files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
+        )
         mirror: Any = 0
         crop: dict[str, Any] = {}
         if isinstance(source, CropSource):
