@@ -60,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the network's mode in every row (default: the recipe's)")  # fmt: skip
     parser.add_argument("--row-timeout", type=float, default=None,
                         help="stop a fit row after this many seconds; it reports the epochs it finished")  # fmt: skip
-    parser.add_argument("--workers", type=int, default=None, help="loader workers (DALI: threads) per process")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="loader workers per process (DALI keeps its default threads)"
+    )
     parser.add_argument("--batch-size", type=int, default=None, help="per device (default 256)")
     parser.add_argument("--crop-size", type=int, default=None, help="default 224")
     parser.add_argument("--epochs", type=int, default=None, help="epochs of every row; the last is reported")
@@ -182,7 +184,6 @@ def fit_command(arch: str, decoder: str | None, devices: int, args: argparse.Nam
             sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs/resnet50.yaml"),
             "--data.decoder", decoder, "--data.root", str(root), "--data.batch_size", str(args.batch_size),
             "--data.crop_size", str(args.crop_size), "--data.val_resize", str(args.crop_size * 8 // 7),
-            *(["--data.dali_threads", str(max(args.workers, 1))] if decoder == "dali" else []),
             "--data.workers", str(args.workers),
             "--trainer.limit_val_batches", "2",
         ]  # fmt: skip
