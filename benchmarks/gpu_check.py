@@ -165,6 +165,8 @@ def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str
         rate = r.get("images_per_sec")
         row = {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None, "images_per_sec": rate}
         row.update({key: r.get(key) for key in ("ratio", "peak_memory_gib", "compile_seconds")})
+        if r.get("error"):
+            row["detail"] = r["error"]
         rows.append(row)
     return rows
 

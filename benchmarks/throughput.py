@@ -130,7 +130,8 @@ def model_alone(arch: str, args: argparse.Namespace, device: torch.device) -> di
 
 
 def run_fit(name: str, cmd: list[str], args: argparse.Namespace) -> dict[str, Any]:
-    """Runs a ``fit`` row's command; its last epoch's figures from the console's ``Epoch N:`` lines."""
+    """Runs a ``fit`` row's command; its last epoch's figures from the console's ``Epoch N:`` lines, or ``error``
+    saying why there are none (the run failed, stopped at ``--row-timeout`` or finished too few epochs)."""
     # A session of its own, so that a row stopped by --row-timeout takes its DDP ranks and workers with it.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             start_new_session=True)  # fmt: skip
@@ -153,17 +154,21 @@ def run_fit(name: str, cmd: list[str], args: argparse.Namespace) -> dict[str, An
     log.write_text(" ".join(cmd) + "\n" + text)
     lines = text.splitlines()
     epochs = [m.groups() for m in map(EPOCH_LINE.match, lines) if m]
-    if proc.returncode != 0 and not timed_out.is_set():
-        raise SystemExit(f"{name} failed ({proc.returncode}), see {log}:\n{text[-3000:]}")
-    if not epochs and not timed_out.is_set():
-        raise SystemExit(f"{name} printed no 'Epoch N: ... images/s' line, see {log}")
+    error = None
+    if timed_out.is_set():
+        error = f"stopped after {args.row_timeout:g} s"
+    elif proc.returncode != 0:
+        error = f"exit status {proc.returncode}, see {log}"
+    elif len(epochs) < args.epochs:
+        error = f"{len(epochs)} of {args.epochs} 'Epoch N: ... images/s' lines, see {log}"
     compiled = next((float(m.group(1)) for m in map(COMPILED_LINE.match, lines) if m), None)
-    rate, memory = (epochs[-1][1], epochs[-1][2]) if len(epochs) == args.epochs else (None, None)
+    rate, memory = (epochs[-1][1], epochs[-1][2]) if error is None else (None, None)
     return {
         "images_per_sec": float(rate.replace(",", "")) if rate else None,
         "peak_memory_gib": float(memory) if memory else None,
         "compile_seconds": compiled,
         "timed_out": timed_out.is_set(),
+        "error": error,
         "log": str(log),
     }
 
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         rate = result["images_per_sec"]
         ratio = 1.0 if setting == "model-alone" else rate / alone["images_per_sec"] if alone and rate else None
         rows.append({"setting": setting, "arch": arch, "devices": devices, **result, "ratio": ratio})
-        shown = "no finished run" if rate is None else f"{rate:,.1f} images/s"
+        shown = f"failed: {result.get('error')}" if rate is None else f"{rate:,.1f} images/s"
         print(f"{setting} {arch} ({devices} dev): {shown}" + (f", {ratio:.3f}x model alone" if ratio else ""),
               flush=True)  # fmt: skip
 

@@ -46,6 +46,7 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     assert [r["setting"] for r in rows] == ["model-alone", "fit-synthetic", "fit-pil"]
     for row in rows[1:]:
         assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
+        assert row["error"] == "stopped after 0.5 s"
     assert "| fit-pil | resnet18 | 1 | - | - | - |" in proc.stdout
     assert "--model.compile false" in (out / "logs" / "pil-resnet18-1dev.log").read_text()
 
@@ -100,8 +101,9 @@ def test_gpu_check_records_each_part_and_keeps_the_other(tmp_path: Path, monkeyp
         if "--out" not in cmd:
             return run(cmd, **kwargs)  # git
         row = {"arch": "resnet50", "devices": 1}
+        failed = {"images_per_sec": None, "ratio": None, "error": "exit status 1"}
         rows = [{**row, "setting": "model-alone", "images_per_sec": 6000.0, "ratio": 1.0},
-                {**row, "setting": "fit-pil", "images_per_sec": None, "ratio": None}]  # fmt: skip
+                {**row, "setting": "fit-pil", **failed}]  # fmt: skip
         folder = Path(cmd[cmd.index("--out") + 1])
         folder.mkdir(parents=True)
         (folder / "throughput.json").write_text(json.dumps({"rows": rows}))
@@ -115,6 +117,7 @@ def test_gpu_check_records_each_part_and_keeps_the_other(tmp_path: Path, monkeyp
     assert (parts["tests"]["passed"], parts["bench"]["passed"], parts["bench"]["failed"]) == (1, 1, 1)
     assert parts["bench"]["rows"][0] == {"row": "model-alone resnet50 x1", "ok": True, "images_per_sec": 6000.0,
                                          "ratio": 1.0, "peak_memory_gib": None, "compile_seconds": None}  # fmt: skip
+    assert parts["bench"]["rows"][1]["detail"] == "exit status 1"  # why, in the record
     assert parts["bench"]["tree_sha256"] == gpu_check.tree_digest()
 
 
