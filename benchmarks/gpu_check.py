@@ -1,40 +1,29 @@
-"""The check of a GPU machine: the GPU tests, a short real ``fit`` per decoder on 1 and all GPUs, throughput.
+"""The check of a GPU machine: the GPU tests, then a short ``fit`` per decoder and the model alone.
 
-``make gpu-check`` runs it. Two parts, which can run apart (``--part tests`` and ``--part bench``, e.g. where
-one command may run for a limited time); each part's result is kept in the record with the commit it ran at and
-the machines it ran on. A part can also run in shares (``--pytest-args`` for the tests, ``--decoders`` for the bench):
-the rows of the same code's earlier shares are kept beside the new ones. Shares may run at once, each with its own
-``--out``: a share reads the record when it ends, under a lock, and replaces it whole.
+``make gpu-check`` runs it. Two parts, which can also run apart (``--part tests``, ``--part bench``):
 
-* ``tests``: ``pytest -m gpu`` (the single-GPU tests and, with 2 or more GPUs, the multi-GPU ones, which run
-  the real ``train.py`` under DDP), one row per test, a failed one with its message; a test still running after
+* ``tests``: ``pytest -m gpu``, one row per test, a failed one with its message; a test still running after
   ``--test-timeout`` seconds fails, and the others run.
-* ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs, in the recipe's mode of the
-  network (on one GPU compiled in the background, each ``fit`` row timed over its first epoch after the switch;
-  on several compiled from the first step): the model alone, ``fit`` on synthetic batches, and the recipe's ``fit``
-  with each decoder (``pil``, ``torchvision``, ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), each on 1 GPU
-  and on every visible GPU. A row passes when its run finished its epochs. Each ``fit`` row keeps the step
-  timeline of that epoch (``benchmarks/step_timeline.py``): what held it, the GPU, the host or the loader.
+* ``bench``: ``benchmarks/throughput.py`` for ResNet-50 on generated 500x375 JPEGs, as ``configs/resnet50.yaml``
+  trains it: the model alone, ``fit`` on synthetic batches and ``fit`` with each decoder (``pil``, ``torchvision``,
+  ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), on 1 GPU and on every visible GPU. A row passes when its run
+  finished its epochs.
 
-It prints one summary (pass/fail and images/s per row) and writes ``benchmarks/results/gpu-check.json``
-(the commit, the machine, the versions and every row). The exit status is 1 when a row failed. Where the checkout
-ran without its git history, ``--name-commit`` (run in the repository) names each part's commit by its files.
+It prints a summary and writes ``benchmarks/results/gpu-check.json``: per part, the commit, a digest of the files
+that make a run, the machine, the versions and every row. The exit status is 1 when a row failed. Where the files
+ran without their git history, ``--name-commit`` (run in the repository) names each part's commit by that digest.
 
-    python benchmarks/gpu_check.py                 # both parts
-    python benchmarks/gpu_check.py --part tests
+    python benchmarks/gpu_check.py                 # both parts, about 8 minutes on one H100
     python benchmarks/gpu_check.py --part bench --decoders pil nvjpeg
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
-import fcntl
 import hashlib
 import importlib.util
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -129,7 +118,7 @@ def _machine() -> dict[str, Any]:
 _DETAIL_CHARS = 600
 
 
-#: Seconds a GPU test may run before it fails (the longest ran 137 s on one H200): a test that hangs is a failed row,
+#: Seconds a GPU test may run before it fails: a test that hangs is a failed row,
 #: with the stacks of its threads in the log, and the part goes on.
 TEST_TIMEOUT = 300
 
@@ -163,39 +152,23 @@ def run_tests(out: Path, pytest_args: list[str], test_timeout: int = TEST_TIMEOU
 
 
 def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str, Any]]:
-    """The ResNet-50 throughput rows on 1 and on all GPUs."""
+    """``benchmarks/throughput.py`` for ResNet-50 on 1 and on all GPUs: one row per setting."""
     devices = sorted({1, max(1, torch.cuda.device_count())})
     cmd = [sys.executable, str(REPO / "benchmarks" / "throughput.py"), "--out", str(out / "throughput"),
-           "--archs", "resnet50", "--skip", "loop", "--devices", *map(str, devices), "--decoders", *decoders,
-           "--row-timeout", "240", "--timeline", *extra]  # fmt: skip
+           "--devices", *map(str, devices), "--decoders", *decoders, "--row-timeout", "240", *extra]  # fmt: skip
     done = subprocess.run(cmd, cwd=REPO)
     path = out / "throughput" / "throughput.json"
     if not path.is_file():
-        partial = out / "throughput" / "rows.partial.json"
-        found = json.loads(partial.read_text()) if partial.is_file() else []
-        rows = [_bench_row(r) for r in found]
-        return rows + [{"row": "throughput.py", "ok": False, "detail": f"exit status {done.returncode}"}]
-    return [_bench_row(r) for r in json.loads(path.read_text())["rows"]]
-
-
-def _bench_row(r: dict[str, Any]) -> dict[str, Any]:
-    rate = r.get("images_per_sec")
-    return {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None and not r.get("timed_out"),
-            "compile": r.get("compile"), "images_per_sec": rate, "ratio_to_model_alone": r.get("ratio"),
-            "peak_memory_gib": r.get("peak_memory_gib"),
-            **({"switch": r["switch"]} if "switch" in r else {}),
-            **({"timeline": _timeline_medians(r["timeline"])} if r.get("timeline") else {})}  # fmt: skip
-
-
-def _timeline_medians(summary: dict[str, Any]) -> dict[str, Any]:
-    """The step timeline of a bench row's epoch, in short: its sums in seconds, and each per-step figure's median in
-    milliseconds (``benchmarks/step_timeline.py`` names them)."""
-    short: dict[str, Any] = {key: round(summary[key], 3) for key in ("steps", "epoch_s", "head_s", "steps_s", "tail_s")}
-    for key, value in summary.items():
-        if isinstance(value, dict):
-            short[key] = {"sum_s": round(value["sum"] / 1000, 3),
-                          "median": None if value["median"] is None else round(value["median"], 2)}  # fmt: skip
-    return short
+        return [{"row": "throughput.py", "ok": False, "detail": f"exit status {done.returncode}"}]
+    rows = []
+    for r in json.loads(path.read_text())["rows"]:
+        rate = r.get("images_per_sec")
+        row = {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None, "images_per_sec": rate}
+        row.update({key: r.get(key) for key in ("ratio", "peak_memory_gib", "compile_seconds")})
+        if r.get("error"):
+            row["detail"] = r["error"]
+        rows.append(row)
+    return rows
 
 
 def summary(record: dict[str, Any]) -> str:
@@ -218,21 +191,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="logs and reports")
     parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
     parser.add_argument("--decoders", nargs="+", default=None,
-                        help="fit rows (default: pil torchvision nvjpeg, and dali when it imports); the rows of "
-                        "earlier runs with other decoders at the same code are kept beside this run's")  # fmt: skip
-    parser.add_argument("--pytest-args", default="",
-                        help="more pytest arguments (tests part), e.g. a test file; the rows of earlier runs with "
-                        "other arguments at the same code are kept beside this run's")  # fmt: skip
+                        help="fit rows (default: pil torchvision nvjpeg, and dali when it imports)")  # fmt: skip
+    parser.add_argument("--pytest-args", default="", help="more pytest arguments (tests part), e.g. a test file")
     parser.add_argument("--test-timeout", type=int, default=TEST_TIMEOUT,
-                        help="seconds a GPU test may run before it fails, with its threads' stacks in the log "
-                        "(default %(default)s)")  # fmt: skip
+                        help="seconds a GPU test may run before it fails (default %(default)s)")  # fmt: skip
     parser.add_argument("--name-commit", action="store_true",
-                        help="run nothing: name the commit of each part of the record by the files that ran (for a "
-                        "record written where the checkout arrived without its git history), and save it")  # fmt: skip
+                        help="run nothing: name the commit of each part of the record by the files that ran, and "
+                        "save it")  # fmt: skip
     parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
     args = parser.parse_args(argv)
+    record = json.loads(args.record.read_text()) if args.record.is_file() else {"parts": {}}
     if args.name_commit:
-        record = json.loads(args.record.read_text())
         print("\n".join(name_commits(record)))
         args.record.write_text(json.dumps(record, indent=2) + "\n")
         return 0
@@ -243,64 +212,24 @@ def main(argv: list[str] | None = None) -> int:
     decoders = args.decoders or ["pil", "torchvision", "nvjpeg"] + (
         ["dali"] if importlib.util.find_spec("nvidia.dali") else []
     )
-    record = {"commit": _commit(), "tree_sha256": tree_digest(), "machine": _machine(), "parts": {}}
+    record.update(commit=_commit(), tree_sha256=tree_digest(), machine=_machine())
     parts = ["tests", "bench"] if args.part == "all" else [args.part]
     for part in parts:
         if part == "tests":
             rows = run_tests(args.out, shlex.split(args.pytest_args), args.test_timeout)
         else:
             rows = run_bench(args.out, decoders, args.extra)
-        with _locked(args.record):
-            # Read now, not when this share started: a share run beside it may have saved its rows meanwhile.
-            record["parts"] = json.loads(args.record.read_text())["parts"] if args.record.is_file() else {}
-            _add_share(record, part, rows, args)
-            _save(args.record, record)
+        failed = sum(not r["ok"] for r in rows)
+        skipped = sum(bool(r.get("skipped")) for r in rows)
+        record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"],
+                                 "date": datetime.datetime.now().isoformat(timespec="seconds"),
+                                 "passed": len(rows) - failed - skipped, "failed": failed, "skipped": skipped,
+                                 "machine": record["machine"], "rows": rows}  # fmt: skip
+        args.record.parent.mkdir(parents=True, exist_ok=True)
+        args.record.write_text(json.dumps(record, indent=2) + "\n")
     print("\n" + summary(record))
     print(f"\nRecord: {args.record}")
     return int(any(record["parts"][p]["failed"] for p in parts))
-
-
-@contextlib.contextmanager
-def _locked(record: Path) -> Any:
-    """Holds an exclusive lock on the record's folder, which shares run at once take in turn to update it."""
-    record.parent.mkdir(parents=True, exist_ok=True)
-    folder = os.open(record.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(folder, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(folder)  # releases the lock
-
-
-def _save(path: Path, record: dict[str, Any]) -> None:
-    """Writes the record whole: a reader finds the old one or the new one, never part of one."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(partial, path)
-
-
-def _add_share(record: dict[str, Any], part: str, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Puts a part's rows in the record, beside the rows of the same code's other shares of it."""
-    earlier = record["parts"].get(part, {})
-    # A share of a part: the tests of some pytest arguments, or the bench of some decoders (e.g. where one
-    # command may only run so long). The rows of the same code's other shares are kept beside this one's.
-    key, share = ("pytest_args", args.pytest_args) if part == "tests" else ("decoders", args.decoders)
-    runs = [share] if share else []
-    machines = [record["machine"]]
-    if runs and earlier.get("tree_sha256") == record["tree_sha256"] and earlier.get(key):
-        names = {r["row"] for r in rows}
-        rows = [r for r in earlier["rows"] if r["row"] not in names] + rows
-        kept = earlier[key]
-        runs = ([kept] if isinstance(kept, str) else list(kept)) + runs
-        machines = [m for m in earlier.get("machines", []) if m != record["machine"]] + machines
-    failed = sum(not r["ok"] for r in rows)
-    skipped = sum(bool(r.get("skipped")) for r in rows)
-    now = datetime.datetime.now().isoformat(timespec="seconds")
-    record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"], "date": now,
-                             "passed": len(rows) - failed - skipped, "failed": failed,
-                             "skipped": skipped, "machines": machines, "rows": rows}  # fmt: skip
-    if runs:
-        record["parts"][part][key] = runs
 
 
 if __name__ == "__main__":
