@@ -226,3 +226,9 @@ def compile_cache_counts() -> dict[str, int]:
     utils: Any = importlib.import_module("torch._dynamo.utils")
     inductor = _private(utils, "counters", "torch._dynamo.utils", "torch")["inductor"]
     return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"])}
+
+
+def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, optimizer: Any) -> None:
+    """Runs what a precision plugin does after the training closure: the ``on_before_optimizer_step`` hooks and
+    gradient clipping (for a plugin whose optimizer step cannot take the closure)."""
+    _private(plugin, "_after_closure", "Precision")(model, optimizer)

@@ -272,3 +272,30 @@ def test_compile_cache_counts_count_graphs_compiled_and_found_in_the_caches(
         counts.append(compat.compile_cache_counts())
     (h0, m0), (h1, m1), (h2, m2) = ((c["hits"], c["misses"]) for c in counts)
     assert (h1 - h0, m1 - m0, h2 - h1, m2 - m1) == (0, 1, 1, 0)
+
+
+def test_run_after_closure_calls_the_hooks_and_clips_as_lightnings_own_step(tmp_path: Path) -> None:
+    class ClosureFirst(pl.plugins.Precision):
+        def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[override]
+            closure()
+            compat.run_after_closure(self, model, optimizer)
+            return optimizer.step(**kwargs)
+
+    class Hooks(pl.Callback):
+        def __init__(self) -> None:
+            self.norms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.norms.append(-1.0)  # clipping comes after this hook
+
+        def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+            self.norms[-1] = float(pl_module.layer.weight.grad.norm())
+
+    hooks = Hooks()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, plugins=[ClosureFirst()], gradient_clip_val=1e-3,
+                         callbacks=[hooks])  # fmt: skip
+    trainer.fit(Tiny())
+    assert len(hooks.norms) == 2 and all(0 < n <= 1e-3 + 1e-9 for n in hooks.norms)
+    with pytest.raises(compat.LightningCompatError, match=r"no Precision\._after_closure"):
+        compat.run_after_closure(SimpleNamespace(), Tiny(), None)

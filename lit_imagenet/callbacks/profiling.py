@@ -15,11 +15,9 @@ from typing_extensions import override
 class Profile(pl.Callback):
     """The reference's ``--prof N``: profile ``steps`` training batches from batch ``start_step``, then stop.
 
-    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler
-    is started for the window (``nsys profile --capture-range=cudaProfilerApi python train.py ...``
-    records just that). With ``torch_trace`` the PyTorch profiler records the same window (CPU and,
-    on CUDA, GPU activity) to ``trace.json`` in the log folder, for chrome://tracing or Perfetto.
-    The run ends after the window. On CPU the NVTX ranges and CUDA profiler are skipped.
+    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs
+    over the window (``nsys profile --capture-range=cudaProfilerApi``). With ``torch_trace`` the PyTorch
+    profiler records the window to ``trace.json`` in the log folder. The run ends after the window.
 
     Args:
         start_step: First profiled batch of the run (from 0); -1 turns profiling off.
@@ -85,8 +83,7 @@ class Profile(pl.Callback):
             self._step_range = None
 
     def _open_step_range(self) -> None:
-        # "train step N" in the trace: from the end of batch N-1 to the end of batch N, the wait for the
-        # batch included (the first profiled one starts at its own batch start)
+        # "train step N" in the trace runs from the end of batch N-1, the wait for the batch included
         self._close_step_range()
         if self._profiler is not None and self._batch < self.start_step + self.steps:
             self._step_range = torch.profiler.record_function(f"train step {self._batch}")

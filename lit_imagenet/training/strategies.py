@@ -1,16 +1,4 @@
-"""The DDP strategies the command line adds: ``ddp_default_stream`` and ``ddp_apex``.
-
-``ddp_default_stream`` is Lightning's DDP strategy with the model wrapped on the current CUDA stream.
-Lightning 2.6 constructs ``DistributedDataParallel`` under a new side stream (done for whole-network
-CUDA graph capture). DDP keeps references to the parameters' gradient accumulators made there, and
-with torch 2.11 every backward then warns that "the AccumulateGrad node's stream does not match the
-stream of the node that produced the incoming gradient", which "may incur unnecessary
-synchronization". This strategy builds DDP on the stream the forward and backward passes run on.
-
-``ddp_apex`` is Lightning's DDP strategy with one change of order: apex needs ``amp.initialize`` to
-see the bare model and its optimizer before DDP wraps the model, while Lightning's DDP strategy
-wraps first and connects the precision plugin afterwards.
-"""
+"""The DDP strategies the command line adds: ``ddp_default_stream`` and ``ddp_apex``."""
 
 from __future__ import annotations
 
@@ -28,7 +16,11 @@ from lit_imagenet.training.precision import ApexAMP
 
 
 class DefaultStreamDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` that wraps the model in ``DistributedDataParallel`` on the current stream."""
+    """``DDPStrategy`` that wraps the model in ``DistributedDataParallel`` on the current CUDA stream.
+
+    Lightning wraps it on a side stream, and every backward then warns that the gradient accumulators' stream
+    does not match the backward pass's.
+    """
 
     strategy_name = "ddp_default_stream"
 
@@ -54,10 +46,9 @@ if DefaultStreamDDPStrategy.strategy_name not in StrategyRegistry:
 
 
 class ApexDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy, but ``amp.initialize`` runs on the bare model before DDP wraps it.
+    """Lightning's DDP strategy, but apex's ``amp.initialize`` runs on the bare model before DDP wraps it.
 
-    Registered as ``ddp_apex``. With any precision plugin other than ``ApexAMP`` it behaves exactly
-    like ``ddp``.
+    With any precision plugin other than ``ApexAMP`` it behaves exactly like ``ddp``.
     """
 
     strategy_name = "ddp_apex"
