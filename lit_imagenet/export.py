@@ -53,9 +53,10 @@ def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[st
     }
     torch.save(network.state_dict(), paths["state_dict"])
     example = torch.randn(2, 3, image_size, image_size)
-    batch = torch.export.Dim("batch", min=1, max=4096)
     with torch.no_grad():
-        program = torch.export.export(network, (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(
+            network, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},)
+        )
     torch.export.save(program, paths["program"])
     metadata = {
         "arch": arch,

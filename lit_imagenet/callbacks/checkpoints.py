@@ -41,25 +41,14 @@ def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
     Returns the paths and sizes removed.
     """
     removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        if not _UNFINISHED.fullmatch(entry.name):
-            continue
-        try:
-            info = entry.stat(follow_symlinks=False)
-            if not entry.is_file(follow_symlinks=False) or info.st_mtime >= _STARTED:
-                continue
-            os.remove(entry.path)
-        except OSError:
-            continue
-        removed.append((entry.path, info.st_size))
-        rank_zero_info(
-            f"Removed {entry.path} ({info.st_size:,} bytes): the unfinished write of a checkpoint, by a process "
-            "that ended during it."
-        )
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in (e for e in entries if _UNFINISHED.fullmatch(e.name) and e.is_file(follow_symlinks=False)):
+            with contextlib.suppress(OSError):
+                if (info := entry.stat(follow_symlinks=False)).st_mtime < _STARTED:
+                    os.remove(entry.path)
+                    removed.append((entry.path, info.st_size))
+                    rank_zero_info(f"Removed {entry.path} ({info.st_size:,} bytes): the unfinished write of a "
+                                   "checkpoint, by a process that ended during it.")  # fmt: skip
     return removed
 
 
@@ -70,12 +59,9 @@ def _unfinished_file(path: str) -> tuple[int, str]:
     """
     folder, name = os.path.split(path)
     while True:
-        tag = secrets.token_hex(4)
-        tmp = os.path.join(folder, f".{name}.{tag}.tmp")
-        try:
+        tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
+        with contextlib.suppress(FileExistsError):
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
-        except FileExistsError:
-            continue
 
 
 def _fsync_dir(folder: str) -> None:
@@ -214,9 +200,8 @@ class StepCheckpoint(ModelCheckpoint):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if not (self.save_on_sigterm and isinstance(exception, SIGTERMException)):
-            return
-        if trainer.sanity_checking or trainer.global_step == 0:
+        signalled = self.save_on_sigterm and isinstance(exception, SIGTERMException)
+        if not signalled or trainer.sanity_checking or trainer.global_step == 0:
             return
         saved = compat.last_checkpoint_saved(self)
         if saved is None or saved[1] != trainer.global_step:  # not saved at this very step already
@@ -231,10 +216,5 @@ class StepCheckpoint(ModelCheckpoint):
 
 def find_last_checkpoint(root: str | os.PathLike[str]) -> str | None:
     """The newest ``last*.ckpt`` under ``root`` (every logger version of a run), or ``None``."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    found = [p for p in root.rglob("last*.ckpt") if p.is_file()]
-    if not found:
-        return None
-    return str(max(found, key=lambda p: p.stat().st_mtime_ns))
+    found = [p for p in Path(root).rglob("last*.ckpt") if p.is_file()]
+    return str(max(found, key=lambda p: p.stat().st_mtime_ns)) if found else None

@@ -62,10 +62,10 @@ def requeue_signalled() -> bool:
 
 def slurm_requeues(trainer: pl.Trainer) -> bool:
     """Whether the run's cluster environment is SLURM's, requeueing on ``REQUEUE_SIGNAL`` (its defaults)."""
-    env = getattr(trainer.strategy, "cluster_environment", None)
-    if env is None:  # one process: its strategy does not show the environment, taken to be the default one
-        return True
-    return isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == REQUEUE_SIGNAL
+    env = getattr(trainer.strategy, "cluster_environment", None)  # None with one process: the default one
+    return env is None or (
+        isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == REQUEUE_SIGNAL
+    )
 
 
 def requeue_slurm_job() -> int:
@@ -95,12 +95,8 @@ def _requeue() -> int:
             print(f"Requeued SLURM job {job}; it resumes with --ckpt_path last when it starts again.", flush=True)
             return 128 + REQUEUE_SIGNAL
         reason = (done.stderr or done.stdout).strip() or f"exit status {done.returncode}"
-    print(
-        f"error: scontrol requeue {job} failed ({reason}); the checkpoint is saved: submit the job script again "
-        "to resume from it.",
-        file=sys.stderr,
-        flush=True,
-    )
+    print(f"error: scontrol requeue {job} failed ({reason}); the checkpoint is saved: submit the job script again "
+          "to resume from it.", file=sys.stderr, flush=True)  # fmt: skip
     return 1
 
 

@@ -69,9 +69,7 @@ class Profile(pl.Callback):
         if self._cuda:
             torch.cuda.profiler.start()
         if self.torch_trace:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self._cuda:
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self._cuda
             self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
             self._profiler.start()
         self._push(f"step {self._batch}")

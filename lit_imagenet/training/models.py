@@ -17,11 +17,6 @@ _PREFIXES = ("model.", "module.", "_orig_mod.")
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-def architectures() -> list[str]:
-    """Names of torchvision's image classification architectures."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
-
-
 def classifier_name(model: nn.Module) -> str:
     """Dotted name of the model's final ``nn.Linear``, the classifier head."""
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -117,16 +112,15 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
         weights: ``None`` for random initialisation; a torchvision weights name (``IMAGENET1K_V2``,
             ``DEFAULT`` or ``ResNet50_Weights.IMAGENET1K_V2``); or the path of a local file.
     """
-    names = architectures()
+    names = sorted(torchvision.models.list_models(module=torchvision.models))
     if arch not in names:
         raise ValueError(f"Unknown architecture {arch!r}; choose one of torchvision's: {', '.join(names)}.")
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1. Got {num_classes}")
-    if weights is None:
-        return torchvision.models.get_model(arch, num_classes=num_classes)
-    if _looks_like_path(weights):
+    if weights is None or _looks_like_path(weights):
         model = torchvision.models.get_model(arch, num_classes=num_classes)
-        load_weights_file(model, weights)
+        if weights is not None:
+            load_weights_file(model, weights)
         return model
     try:
         enum = torchvision.models.get_model_weights(arch)

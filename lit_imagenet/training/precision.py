@@ -50,7 +50,7 @@ def _parse_loss_scale(loss_scale: float | str | None) -> float | str | None:
     try:
         value = float(loss_scale)
     except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}") from None
+        value = 0.0
     if not value > 0:
         raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}")
     return value
@@ -83,7 +83,7 @@ class ApexAMP(Precision):
         self.opt_level = opt_level
         self.keep_batchnorm_fp32 = keep_batchnorm_fp32
         self.loss_scale = _parse_loss_scale(loss_scale)
-        self.precision = "32-true" if opt_level == "O0" else ("16-true" if opt_level == "O3" else "16-mixed")
+        self.precision = NATIVE_EQUIVALENT[opt_level]
         self._initialized = False
         self._pending_state: dict[str, Any] | None = None
 
@@ -99,11 +99,8 @@ class ApexAMP(Precision):
                 "Gradient accumulation is not supported with apex AMP (it would unscale every micro-batch); "
                 "use --trainer.precision 16-mixed, or --trainer.accumulate_grad_batches 1."
             )
-        kwargs: dict[str, Any] = {"opt_level": self.opt_level, "verbosity": 0}
-        if self.keep_batchnorm_fp32 is not None:
-            kwargs["keep_batchnorm_fp32"] = self.keep_batchnorm_fp32
-        if self.loss_scale is not None:
-            kwargs["loss_scale"] = self.loss_scale
+        options = {"keep_batchnorm_fp32": self.keep_batchnorm_fp32, "loss_scale": self.loss_scale}
+        kwargs = {"opt_level": self.opt_level, "verbosity": 0, **{k: v for k, v in options.items() if v is not None}}
         if optimizers:
             model, optimizers = self.amp.initialize(model, optimizers, **kwargs)
         else:
@@ -254,25 +251,21 @@ def resolve_amp(
                 raise
             reason = str(err).split(";")[0]
         else:
-            plugin = ApexAMP(opt_level, keep_batchnorm_fp32, scale)
-            strategy = "ddp_apex" if devices > 1 else None
-            message = f"AMP: apex amp {opt_level} ({_describe(keep_batchnorm_fp32, scale)})"
-            return AMPChoice(None, plugin, strategy, message)
+            bn, scale_name = (("apex default" if v is None else str(v)) for v in (keep_batchnorm_fp32, scale))
+            message = f"AMP: apex amp {opt_level} (keep_batchnorm_fp32={bn}, loss_scale={scale_name})"
+            return AMPChoice(
+                None, ApexAMP(opt_level, keep_batchnorm_fp32, scale), "ddp_apex" if devices > 1 else None, message
+            )
     else:
         reason = "native AMP was asked for"
     native = NATIVE_EQUIVALENT[opt_level]
     note = f"AMP: native {native} for apex {opt_level} ({reason})"
     if native == "16-mixed" and isinstance(scale, float):
-        plugin = StaticScaleMixedPrecision(scale, device_type)
-        return AMPChoice(None, plugin, None, f"{note}, static loss scale {scale:g}")
+        return AMPChoice(
+            None, StaticScaleMixedPrecision(scale, device_type), None, f"{note}, static loss scale {scale:g}"
+        )
     if native == "16-true" and keep_batchnorm_fp32:
         return AMPChoice(None, KeepBatchNormHalfPrecision(), None, f"{note}, batch norm kept in float32")
     if native == "16-mixed" and keep_batchnorm_fp32 is False:
         note += "; autocast keeps batch norm in float32 regardless"
     return AMPChoice(native, None, None, note)
-
-
-def _describe(keep_batchnorm_fp32: bool | None, loss_scale: float | str | None) -> str:
-    bn = "apex default" if keep_batchnorm_fp32 is None else str(keep_batchnorm_fp32)
-    scale = "apex default" if loss_scale is None else str(loss_scale)
-    return f"keep_batchnorm_fp32={bn}, loss_scale={scale}"
