@@ -161,14 +161,12 @@ class LearningRateLog(pl.Callback):
 
     def rates(self, trainer: pl.Trainer) -> dict[str, float]:
         """The current rates (and momenta), by name."""
-        optimizers = trainer.optimizers
-        kinds = [type(opt).__name__ for opt in optimizers]
+        kinds = [type(opt).__name__ for opt in trainer.optimizers]
         figures: dict[str, float] = {}
-        for index, (opt, kind) in enumerate(zip(optimizers, kinds)):
+        for index, (opt, kind) in enumerate(zip(trainer.optimizers, kinds)):
             base = f"lr-{kind}" + (f"-{kinds[:index].count(kind) + 1}" if kinds.count(kind) > 1 else "")
-            groups = opt.param_groups
-            for number, group in enumerate(groups, start=1):
-                name = f"{base}/{group.get('name', f'pg{number}')}" if len(groups) > 1 else base
+            for number, group in enumerate(opt.param_groups, start=1):
+                name = f"{base}/{group.get('name', f'pg{number}')}" if len(opt.param_groups) > 1 else base
                 figures[name] = float(group["lr"])
                 if self.log_momentum:
                     momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
@@ -176,8 +174,7 @@ class LearningRateLog(pl.Callback):
         return figures
 
     def _log(self, trainer: pl.Trainer) -> None:
-        figures = self.rates(trainer)
-        if not figures:
+        if not (figures := self.rates(trainer)):
             return
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in figures.items()})
         for logger in trainer.loggers:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.trainer.states import TrainerFn
@@ -29,20 +27,6 @@ class DefaultStreamDDPStrategy(DDPStrategy):
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         device_ids = self.determine_ddp_device_ids()
         return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs(self))
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="DDP with the model wrapped on the current CUDA stream",
-            start_method="popen",
-        )
-
-
-if DefaultStreamDDPStrategy.strategy_name not in StrategyRegistry:
-    DefaultStreamDDPStrategy.register_strategies(StrategyRegistry)
 
 
 class ApexDDPStrategy(DDPStrategy):
@@ -70,13 +54,10 @@ class ApexDDPStrategy(DDPStrategy):
         self.configure_ddp()
         self.setup_precision_plugin()  # the plugin is initialised already: this only attaches it
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            cls.strategy_name, cls, description="DDP with apex AMP initialised before wrapping", start_method="popen"
-        )
 
-
-if ApexDDPStrategy.strategy_name not in StrategyRegistry:
-    ApexDDPStrategy.register_strategies(StrategyRegistry)
+for _strategy, _description in (
+    (DefaultStreamDDPStrategy, "DDP with the model wrapped on the current CUDA stream"),
+    (ApexDDPStrategy, "DDP with apex AMP initialised before wrapping"),
+):
+    if _strategy.strategy_name not in StrategyRegistry:
+        StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_description, start_method="popen")
