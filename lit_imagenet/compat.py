@@ -15,7 +15,6 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 from pytorch_lightning.callbacks import ModelCheckpoint
-from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.plugins import LayerSync
 from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
 from torch import nn
@@ -116,11 +115,6 @@ def attached_trainer(module: nn.Module) -> pl.Trainer | None:
     return getattr(module, "_trainer", None)
 
 
-def logger_prefix(logger: CSVLogger) -> str:
-    """The prefix a ``CSVLogger`` puts before every metric name."""
-    return str(_private(logger, "_prefix", "CSVLogger"))
-
-
 def metric_defaults(metric: Metric) -> dict[str, Any]:
     """A torchmetrics metric's states as ``reset()`` leaves them, by name."""
     return dict(_private(metric, "_defaults", "Metric", package="torchmetrics"))
@@ -185,3 +179,9 @@ def user_inductor_cache_dir() -> str | None:
         utils = None  # named by the error below
     default = _private(utils, "default_cache_dir", "torch._inductor.runtime.cache_dir_utils", "torch")()
     return None if os.path.abspath(value) == os.path.abspath(default) else value
+
+
+def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, optimizer: Any) -> None:
+    """Runs what a precision plugin does after the training closure: the ``on_before_optimizer_step`` hooks and
+    gradient clipping (for a plugin whose optimizer step cannot take the closure)."""
+    _private(plugin, "_after_closure", "Precision")(model, optimizer)

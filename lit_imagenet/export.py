@@ -1,16 +1,8 @@
-"""Export a trained classifier for use without this project: a torchvision state dict and a torch.export program.
+"""``python -m lit_imagenet.export CHECKPOINT OUT_DIR``: a trained classifier for use without this project.
 
-``python -m lit_imagenet.export CHECKPOINT OUT_DIR`` writes, into ``OUT_DIR``:
-
-- ``<arch>_state_dict.pth``: the network's weights with torchvision's own keys, loadable with
-  ``torchvision.models.<arch>(num_classes=N).load_state_dict(torch.load(path, weights_only=True))``;
-- ``<arch>.pt2``: a ``torch.export`` program of the network in eval mode, loadable with
-  ``torch.export.load(path).module()`` (any batch size; the image size it was exported at);
-- ``<arch>.json``: the architecture, number and names of the classes, input size, mean and std.
-
-Both exported forms take **normalised float NCHW** images: RGB scaled to [0, 1], minus the
-ImageNet mean ``(0.485, 0.456, 0.406)``, divided by the std ``(0.229, 0.224, 0.225)``, as
-``torchvision.transforms.Normalize`` does. They return logits; apply softmax for probabilities.
+Writes ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a ``torch.export`` program, any batch
+size) and ``<arch>.json`` (classes, input size, mean and std). Both take float NCHW images normalised with the
+ImageNet mean and std, and return logits.
 """
 
 from __future__ import annotations
@@ -45,8 +37,7 @@ def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[st
     Args:
         checkpoint_path: A ``.ckpt`` file written by ``train.py fit``.
         out_dir: Folder for the exported files (created if needed).
-        image_size: Height and width of the example input the program is exported with; use the
-            crop size the model was trained with.
+        image_size: Height and width the program is exported for: the crop size the model was trained with.
 
     Returns:
         The paths written, under the keys ``state_dict``, ``program`` and ``metadata``.
@@ -62,9 +53,10 @@ def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[st
     }
     torch.save(network.state_dict(), paths["state_dict"])
     example = torch.randn(2, 3, image_size, image_size)
-    batch = torch.export.Dim("batch", min=1, max=4096)
     with torch.no_grad():
-        program = torch.export.export(network, (example,), dynamic_shapes=({0: batch},))
+        program = torch.export.export(
+            network, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},)
+        )
     torch.export.save(program, paths["program"])
     metadata = {
         "arch": arch,

@@ -110,19 +110,6 @@ def test_only_unfinished_writes_from_before_the_process_began_are_removed(tmp_pa
     assert sorted(os.listdir(tmp_path)) == sorted(f.name for f in (recent, *others, tmp_path / "epoch003.ckpt"))
 
 
-def test_a_folder_is_listed_for_unfinished_writes_once_a_process(tmp_path: Path, monkeypatch) -> None:
-    """Saving every N steps into a folder of many checkpoints does not list the folder at every save."""
-    monkeypatch.setattr(checkpoints, "_SWEPT", set(), raising=False)
-    listed = []
-    real_scandir = os.scandir
-    monkeypatch.setattr(os, "scandir", lambda path=".": listed.append(os.fspath(path)) or real_scandir(path))
-    io = AtomicCheckpointIO()
-    for step in range(3):
-        io.save_checkpoint({"global_step": step}, tmp_path / "a" / "last-step.ckpt")
-        io.save_checkpoint({"global_step": step}, tmp_path / "b" / f"epoch{step}.ckpt")
-    assert sorted(listed) == [str(tmp_path / "a"), str(tmp_path / "b")]
-
-
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
 def test_a_checkpoint_has_the_mode_that_the_umask_gives_a_new_file(tmp_path: Path, umask: int) -> None:
     """As Lightning's writer and ``torch.save`` give: a group's shared folder can read its runs' checkpoints."""

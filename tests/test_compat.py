@@ -129,10 +129,6 @@ def test_ddp_kwargs_and_layer_sync() -> None:
     assert isinstance(compat.layer_sync(synced.strategy), TorchSyncBatchNorm)
 
 
-def test_logger_prefix(tmp_path: Path) -> None:
-    assert compat.logger_prefix(CSVLogger(tmp_path, prefix="run1")) == "run1"
-
-
 def test_metric_defaults_are_the_states_after_reset() -> None:
     metric = MeanMetric()
     metric.update(torch.tensor([3.0, 5.0]))
@@ -257,3 +253,30 @@ def test_user_inductor_cache_dir_tells_a_choice_from_inductors_default(monkeypat
     assert compat.user_inductor_cache_dir() is None
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert compat.user_inductor_cache_dir() is None
+
+
+def test_run_after_closure_calls_the_hooks_and_clips_as_lightnings_own_step(tmp_path: Path) -> None:
+    class ClosureFirst(pl.plugins.Precision):
+        def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[override]
+            closure()
+            compat.run_after_closure(self, model, optimizer)
+            return optimizer.step(**kwargs)
+
+    class Hooks(pl.Callback):
+        def __init__(self) -> None:
+            self.norms: list[float] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.norms.append(-1.0)  # clipping comes after this hook
+
+        def on_train_batch_end(self, trainer, pl_module, *args: Any) -> None:
+            self.norms[-1] = float(pl_module.layer.weight.grad.norm())
+
+    hooks = Hooks()
+    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, plugins=[ClosureFirst()], gradient_clip_val=1e-3,
+                         callbacks=[hooks])  # fmt: skip
+    trainer.fit(Tiny())
+    assert len(hooks.norms) == 2 and all(0 < n <= 1e-3 + 1e-9 for n in hooks.norms)
+    with pytest.raises(compat.LightningCompatError, match=r"no Precision\._after_closure"):
+        compat.run_after_closure(SimpleNamespace(), Tiny(), None)

@@ -19,7 +19,7 @@ from lit_imagenet.training.precision import (
     import_apex_amp,
     resolve_amp,
 )
-from tests.cli_args import fit_args
+from tests.cli_args import SMALL_ARCH, fit_args
 from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,7 +149,8 @@ def test_apex_under_ddp_initialises_before_wrapping_and_resumes_scaler_state(sha
     env = {"PYTHONPATH": f"{FAKE_APEX}{os.pathsep}{REPO}", "FAKE_AMP_SCALE": "512.0"}
     first = tmp_path / "first"
     proc = _run(_fit_args(shapes_root, first, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                          "--trainer.max_epochs", "1", "--amp.opt_level", "O2"), tmp_path, env)  # fmt: skip
+                          "--trainer.max_epochs", "1", "--amp.opt_level", "O2", arch=SMALL_ARCH),
+                tmp_path, env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "AMP: apex amp O2" in proc.stderr + proc.stdout
     last = next(first.rglob("last.ckpt"))
@@ -159,7 +160,8 @@ def test_apex_under_ddp_initialises_before_wrapping_and_resumes_scaler_state(sha
     second = tmp_path / "second"
     env["FAKE_AMP_SCALE"] = "1.0"  # the resumed run must take the scale from the checkpoint
     proc = _run(_fit_args(shapes_root, second, "--trainer.devices", "2", "--trainer.strategy", "ddp",
-                          "--trainer.max_epochs", "2", "--amp.opt_level", "O2", "--ckpt_path", str(last)),
+                          "--trainer.max_epochs", "2", "--amp.opt_level", "O2", "--ckpt_path", str(last),
+                          arch=SMALL_ARCH),
                 tmp_path, env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = torch.load(next(second.rglob("last.ckpt")), weights_only=True)
@@ -200,7 +202,7 @@ def test_cpu_capable_precisions_train(shapes_root: Path, tmp_path: Path, precisi
     from lit_imagenet.cli import main
 
     cli = main(_fit_args(shapes_root, tmp_path, "--trainer.precision", precision, "--trainer.max_steps", "3",
-                         "--trainer.limit_val_batches", "1"))  # fmt: skip
+                         "--trainer.limit_val_batches", "1", arch=SMALL_ARCH))  # fmt: skip
     assert cli.trainer.global_step == 3
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss_step"])
     # The step figures reach the logs as float32 whatever the precision, and the epoch's loss is written.

@@ -1,10 +1,4 @@
-"""What watches and keeps a run: checkpoints, pre-emption, the non-finite guard, console lines, logs, predictions.
-
-``default_callbacks()`` gives a ``Trainer`` made by hand (in a notebook or a script) what
-``train.py fit`` attaches: the best and last checkpoints, step checkpoints and the save on SIGTERM
-written atomically, the SIGTERM consensus of DDP ranks, the learning-rate log, the console line and
-each epoch's throughput, the non-finite-loss guard, the training curves and the prediction writer.
-"""
+"""What watches and keeps a run: checkpoints, pre-emption, the non-finite guard, console lines, logs, predictions."""
 
 from __future__ import annotations
 
@@ -23,15 +17,7 @@ from lit_imagenet.callbacks.profiling import Profile
 def default_callbacks(
     *, every_n_train_steps: int = 0, console: bool = True, curves: bool = True, max_consecutive_non_finite: int = 20
 ) -> list[pl.Callback]:
-    """The callbacks of ``train.py fit`` with their command-line defaults, for ``pl.Trainer(callbacks=...)``.
-
-    With them a notebook's run keeps ``last.ckpt`` and the best checkpoint by ``val/top1``, saves
-    ``last-step.ckpt`` on SIGTERM (and every ``every_n_train_steps`` optimizer steps), writes every
-    checkpoint atomically, prints the console line every ``log_every_n_steps`` and each epoch's
-    images per second, logs the learning rates, stops on a run of non-finite losses naming the last
-    good checkpoint, draws ``training_curves.png`` next to a CSV logger's ``metrics.csv`` and writes
-    ``predictions.csv`` in ``predict``. The prefetcher needs nothing here: ``ImageClassifier``
-    attaches it.
+    """The callbacks of ``train.py fit`` with their command-line defaults, for a ``pl.Trainer`` made by hand.
 
     Args:
         every_n_train_steps: Save ``last-step.ckpt`` every this many optimizer steps; 0: only on SIGTERM.

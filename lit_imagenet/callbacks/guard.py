@@ -1,8 +1,4 @@
-"""The non-finite-loss guard: stops a run whose loss stays NaN or infinite, naming the last good checkpoint.
-
-It never waits for the GPU during an epoch: the count of bad batches stays on the device, and what
-it reads back was copied to the host at its previous check.
-"""
+"""The non-finite-loss guard: stops a run whose loss stays NaN or infinite, naming the last good checkpoint."""
 
 from __future__ import annotations
 
@@ -26,20 +22,13 @@ class NonFiniteLossError(RuntimeError):
 class NonFiniteGuard(pl.Callback):
     """Stops the run when the loss has been NaN or infinite for ``max_consecutive`` batches in a row.
 
-    With fp16 dynamic loss scaling an occasional overflow is normal (the scaler skips that step), so
-    one bad batch is not an error; a long run of them means the weights or the data went bad. The
-    count is kept on the device. Every ``check_every_n_steps`` batches (by default on Lightning's
-    log steps) the guard starts copying it to the host, and it reads that copy at the next check,
-    long after the GPU wrote it, so the guard never waits for the GPU during an epoch; at the end of
-    each epoch it reads the count directly. The price is that the run stops up to twice that many
-    batches after the limit was reached. The error names the global step where the bad run began
-    and the newest checkpoint saved before it. Under DDP every rank takes the largest count of all
-    ranks at the same batch, so all of them stop together.
+    The count stays on the device and is read back a check later (``DelayedMax``), so the guard never waits
+    for the GPU during an epoch; the run stops up to twice ``check_every_n_steps`` batches after the limit, on
+    every rank together. The error names the step where the bad run began and the newest checkpoint before it.
 
     Args:
         max_consecutive: Consecutive non-finite losses that stop the run.
-        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps
-            (every ``log_every_n_steps`` optimizer steps).
+        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps.
     """
 
     def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
@@ -49,20 +38,17 @@ class NonFiniteGuard(pl.Callback):
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
         self.max_consecutive = max_consecutive
         self.check_every_n_steps = check_every_n_steps
-        # (consecutive non-finite losses, global step where that run began, where a run that reached
-        # the limit began), on the device, updated in place: -1 means none.
+        # On the device: consecutive non-finite losses, the step that run began at, and where a run that
+        # reached the limit began (-1: none).
         self._state: Tensor | None = None
         self._max: DelayedMax | None = None
-        self._in_flight: int | None = None  # the slot of the previous check, not read yet
         self._batches = 0
         self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        device = pl_module.device
-        self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=device)
-        self._max = DelayedMax(1, device)
-        self._in_flight = None
+        self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=pl_module.device)
+        self._max = DelayedMax(1, pl_module.device)
         self._batches = 0
         self._saved = {}
 
@@ -76,20 +62,19 @@ class NonFiniteGuard(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._note_checkpoints(trainer)  # host-side attributes only: saves happen at batch ends
+        self._note_checkpoints(trainer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if self._state is None:
+        if self._state is None or self._max is None:
             return
-        if not isinstance(loss, Tensor):
-            # Every rank must take part in the same checks, whatever its own batch gave.
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, Tensor):  # every rank takes part in the same checks, whatever its batch gave
             loss = torch.zeros((), device=self._state.device)
         bad = ~torch.isfinite(loss.detach().to(self._state.device))
-        # The step of this batch before its optimizer step: a checkpoint saved at it holds good weights.
+        # The step before this batch's optimizer step: a checkpoint saved at it holds good weights.
         step = trainer.global_step - (0 if accumulates_gradients(trainer) else 1)
         consecutive, run_start, tripped_at = self._state.unbind()
         new_start = torch.where(bad & (consecutive == 0), step, run_start)
@@ -99,26 +84,14 @@ class NonFiniteGuard(pl.Callback):
         self._batches += 1
         every = self.check_every_n_steps
         if (self._batches % every == 0) if every else writes_log_line(trainer):
-            previous = self._in_flight
-            self._in_flight = self._start_check()
-            if previous is not None:
-                self._raise_if_tripped(trainer, self._read(previous))
+            result = self._max.step(self._state[2:3])
+            if result is not None:
+                self._raise_if_tripped(trainer, result[0])
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._state is not None:
-            self._in_flight = None  # the value read now includes it
-            self._raise_if_tripped(trainer, self._read(self._start_check()))
-
-    def _start_check(self) -> int:
-        """Starts the maximum over all ranks of where a bad run that reached the limit began (-1: none): every
-        rank stops together, where one raising alone would leave the others waiting in their next collective."""
-        assert self._state is not None and self._max is not None
-        return self._max.start(self._state[2:3])
-
-    def _read(self, slot: int) -> int:
-        assert self._max is not None
-        return self._max.read(slot)[0]
+        if self._state is not None and self._max is not None:
+            self._raise_if_tripped(trainer, self._max.now(self._state[2:3])[0])
 
     def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
         if start < 0:

@@ -11,14 +11,9 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
-from lit_imagenet.compat import logger_prefix
-
 
 class RunLogger(CSVLogger):
-    """A ``CSVLogger`` that also writes TensorBoard event files into the same version folder.
-
-    ``metrics.csv``, ``hparams.yaml`` and ``events.out.tfevents.*`` end up side by side in
-    ``save_dir/name/version_N``: ``tensorboard --logdir runs`` and a spreadsheet read the same run.
+    """A ``CSVLogger`` that also writes TensorBoard event files into the same ``save_dir/name/version_N`` folder.
 
     Args:
         save_dir: Folder of the logs. ``None``: ``--trainer.default_root_dir`` on the command line, else ``runs``.
@@ -40,6 +35,7 @@ class RunLogger(CSVLogger):
     ) -> None:
         super().__init__("runs" if save_dir is None else save_dir, name, version, prefix, flush_logs_every_n_steps)
         self.tensorboard = tensorboard
+        self._tb_prefix = prefix
         self._tb: TensorBoardLogger | None = None
 
     @property
@@ -47,7 +43,7 @@ class RunLogger(CSVLogger):
         """The TensorBoard logger writing into this logger's version folder (``None`` when off)."""
         if self.tensorboard and self._tb is None:
             self._tb = TensorBoardLogger(
-                self.save_dir, name=self.name, version=self.version, prefix=logger_prefix(self), default_hp_metric=False
+                self.save_dir, name=self.name, version=self.version, prefix=self._tb_prefix, default_hp_metric=False
             )
         return self._tb if self.tensorboard else None
 

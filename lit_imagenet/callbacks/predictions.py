@@ -16,14 +16,10 @@ from typing_extensions import override
 class PredictionWriter(BasePredictionWriter):
     """Writes the top classes of every predicted image to a CSV file, one row per image in file order.
 
-    The columns are ``path``, then ``class_1``, ``prob_1``, ... ``class_k``, ``prob_k`` (``k`` is
-    ``top_k`` capped at the number of classes), most probable first. The model's ``predict_step``
-    returns ``{"probs": (N, classes), "index": (N,)}``, where ``index`` is the position of each image
-    in the data module's ``samples("predict")``; class names come from the model's ``class_names``
-    (stored in its checkpoints), or are the class indices when it has none.
-
-    Under DDP each process keeps the rows of its own images and rank 0 gathers them all
-    (``torch.distributed.all_gather_object``) and writes the one file, so no shared disk is needed.
+    Columns: ``path``, then ``class_1``, ``prob_1``, ... ``class_k``, ``prob_k``, most probable first.
+    ``predict_step`` returns ``{"probs": (N, classes), "index": (N,)}``, ``index`` being each image's position
+    in the data module's ``samples("predict")``; classes are named by the model's ``class_names``, if any.
+    Under DDP rank 0 gathers every rank's rows and writes the one file.
 
     Args:
         output: The CSV file to write. ``None``: ``predictions.csv`` in the trainer's log folder,
@@ -60,8 +56,7 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError("PredictionWriter needs predict_step to return {'probs': ..., 'index': ...}.")
         probs = prediction["probs"].detach()
         values, classes = probs.topk(min(self.top_k, probs.shape[1]), dim=1)  # on the device: k columns come back
-        for index, cls, val in zip(prediction["index"].tolist(), classes.tolist(), values.float().tolist()):
-            self._rows.append((int(index), cls, val))
+        self._rows += zip(prediction["index"].tolist(), classes.tolist(), values.float().tolist())
 
     def _gathered_rows(self, trainer: pl.Trainer) -> list[tuple[int, list[int], list[float]]]:
         if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
@@ -70,16 +65,13 @@ class PredictionWriter(BasePredictionWriter):
         dist.all_gather_object(parts, self._rows)
         return [row for part in parts for row in part]
 
-    def _default_path(self, trainer: pl.Trainer) -> Path:
-        folder = trainer.log_dir if trainer.logger is not None and trainer.log_dir else "."
-        return Path(folder) / "predictions.csv"
-
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         rows = sorted(self._gathered_rows(trainer))
         self._rows = []
         # On every rank: the trainer's log folder is broadcast from rank 0, a collective.
-        path = Path(self.output) if self.output is not None else self._default_path(trainer)
+        folder = trainer.log_dir if trainer.logger is not None and trainer.log_dir else "."
+        path = Path(self.output) if self.output is not None else Path(folder) / "predictions.csv"
         if not trainer.is_global_zero:
             return
         datamodule = trainer.datamodule

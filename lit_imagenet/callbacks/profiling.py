@@ -15,11 +15,9 @@ from typing_extensions import override
 class Profile(pl.Callback):
     """The reference's ``--prof N``: profile ``steps`` training batches from batch ``start_step``, then stop.
 
-    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler
-    is started for the window (``nsys profile --capture-range=cudaProfilerApi python train.py ...``
-    records just that). With ``torch_trace`` the PyTorch profiler records the same window (CPU and,
-    on CUDA, GPU activity) to ``trace.json`` in the log folder, for chrome://tracing or Perfetto.
-    The run ends after the window. On CPU the NVTX ranges and CUDA profiler are skipped.
+    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs
+    over the window (``nsys profile --capture-range=cudaProfilerApi``). With ``torch_trace`` the PyTorch
+    profiler records the window to ``trace.json`` in the log folder. The run ends after the window.
 
     Args:
         start_step: First profiled batch of the run (from 0); -1 turns profiling off.
@@ -35,26 +33,27 @@ class Profile(pl.Callback):
         self.torch_trace = torch_trace
         self.trace_path: Path | None = None
         self._batch = 0
-        self._cuda = False
         self._active = False
-        self._in_optimizer_step = False
+        self._nvtx = False  # NVTX ranges: on CUDA, inside the window
+        self._open_ranges = 0
         self._profiler: torch.profiler.profile | None = None
         self._step_range: torch.profiler.record_function | None = None
         self._hooks: list[Any] = []
 
     def _push(self, name: str) -> None:
-        if self._active and self._cuda:
+        if self._nvtx:
             torch.cuda.nvtx.range_push(name)
+            self._open_ranges += 1
 
     def _pop(self) -> None:
-        if self._active and self._cuda:
+        if self._nvtx and self._open_ranges:
             torch.cuda.nvtx.range_pop()
+            self._open_ranges -= 1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._batch = 0
-        self._cuda = pl_module.device.type == "cuda"
-        if self.start_step >= 0 and self._cuda:
+        if self.start_step >= 0 and pl_module.device.type == "cuda":
             self._hooks = [
                 pl_module.register_forward_pre_hook(lambda *_: self._push("forward")),
                 pl_module.register_forward_hook(lambda *_: self._pop()),
@@ -64,31 +63,24 @@ class Profile(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.start_step < 0 or self._batch != self.start_step:
-            self._push(f"step {self._batch}")
-            return
-        self._active = True
-        if self._cuda:
-            torch.cuda.profiler.start()
-        if self.torch_trace:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self._cuda:
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-            self._profiler.start()
+        if self._batch == self.start_step >= 0:
+            self._active = True
+            self._nvtx = pl_module.device.type == "cuda"
+            if self._nvtx:
+                torch.cuda.profiler.start()
+            if self.torch_trace:
+                activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self._nvtx
+                self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+                self._profiler.start()
+            self._open_step_range()
         self._push(f"step {self._batch}")
-        self._open_step_range()
 
-    def _close_step_range(self) -> None:
+    def _open_step_range(self) -> None:
+        # "train step N" in the trace runs from the end of batch N-1, the wait for the batch included
         if self._step_range is not None:
             self._step_range.__exit__(None, None, None)
             self._step_range = None
-
-    def _open_step_range(self) -> None:
-        # "train step N" in the trace: from the end of batch N-1 to the end of batch N, the wait for the
-        # batch included (the first profiled one starts at its own batch start)
-        self._close_step_range()
-        if self._profiler is not None and self._batch < self.start_step + self.steps:
+        if self._active and self._profiler is not None:
             self._step_range = torch.profiler.record_function(f"train step {self._batch}")
             self._step_range.__enter__()
 
@@ -104,17 +96,14 @@ class Profile(pl.Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        self._push("optimizer step")
-        self._in_optimizer_step = self._active and self._cuda
+        self._push("optimizer step")  # no hook follows the step: its range ends with the batch
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._in_optimizer_step:  # no hook follows the optimizer step: its range ends with the batch
+        while self._open_ranges:
             self._pop()
-            self._in_optimizer_step = False
-        self._pop()
         self._batch += 1
         if self._active and self._batch >= self.start_step + self.steps:
             self._stop(trainer)
@@ -124,10 +113,11 @@ class Profile(pl.Callback):
 
     def _stop(self, trainer: pl.Trainer) -> None:
         self._active = False
-        if self._cuda:
+        if self._nvtx:
             torch.cuda.synchronize()
             torch.cuda.profiler.stop()
-        self._close_step_range()
+            self._nvtx = False
+        self._open_step_range()  # inactive: closes the last one
         if self._profiler is not None:
             self._profiler.stop()
             folder = Path(trainer.log_dir or trainer.default_root_dir)

@@ -8,27 +8,21 @@ from torchmetrics.classification import MulticlassAccuracy
 
 
 def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks.
-
-    Each metric keeps its own state (no torchmetrics compute groups, which merge metrics whose
-    states happen to be equal after the first batch).
-    """
+    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
     return MetricCollection(
         {
             "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
             "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
         },
         prefix=prefix,
-        compute_groups=False,
+        compute_groups=False,  # compute groups merge metrics whose states happen to be equal after a batch
     )
 
 
 class TopKAccuracy(MeanMetric):
     """The fraction of samples whose label is among the ``k`` highest logits, with no host-device synchronisation.
 
-    ``MulticlassAccuracy`` checks the labels and, for ``k > 1``, one-hot encodes them, and both read
-    GPU values on the host at every update; this metric only compares ``topk`` indices with the
-    labels on the device. Its state is a sum and a count, so it is exact across ranks.
+    Its state is a sum and a count, so it is exact across ranks; ``MulticlassAccuracy`` reads the GPU per update.
 
     Args:
         k: How many of the highest logits count as a hit (capped at the number of classes).
@@ -49,12 +43,7 @@ def topk_hits(logits: Tensor, targets: Tensor, k: int) -> Tensor:
 
 
 def train_accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free.
-
-    No compute groups: torchmetrics would merge the two metrics into one whenever their states are
-    equal after the first batch (no label in any top 5, common at the start from scratch), and
-    top-5 would then report top-1 for the rest of the run; comparing them also reads the GPU.
-    """
+    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free."""
     return MetricCollection(
         {"top1": TopKAccuracy(1), "top5": TopKAccuracy(min(5, num_classes))}, prefix=prefix, compute_groups=False
     )

@@ -1,16 +1,7 @@
-"""torchvision classifiers by name, with weights from torchvision or from a local file.
+"""torchvision classifiers by name, with weights from torchvision or a local file, split into head and backbone.
 
-A local file may be a plain state dict, a checkpoint of this project (Lightning's, keys under
-``model.``), or a checkpoint of NVIDIA apex's ImageNet example (``{"state_dict": ..., "epoch": ...,
-"best_prec1": ..., "optimizer": ...}``, keys possibly under ``module.``). Files are read with
-``torch.load(weights_only=True)``, which never runs code from the file. When the file or the
-torchvision weights have another number of classes than asked for, the classifier head is
-replaced by a freshly initialised one and everything else is kept.
-
-Fine-tuning can train the head alone for the first epochs (``freeze_backbone_epochs``) and the
-backbone at a smaller rate (``backbone_lr_scale``): ``head_parameters``, ``backbone_parameters`` and
-``set_backbone_frozen`` split the network into its head (the final ``nn.Linear``, named by
-``classifier_name``) and the rest.
+A local file may be a state dict, a checkpoint of this project or of NVIDIA apex's ImageNet example; it is
+read with ``torch.load(weights_only=True)``. A head with another number of classes is replaced by a new one.
 """
 
 from __future__ import annotations
@@ -23,11 +14,7 @@ import torchvision
 from torch import Tensor, nn
 
 _PREFIXES = ("model.", "module.", "_orig_mod.")
-
-
-def architectures() -> list[str]:
-    """Names of torchvision's image classification architectures."""
-    return sorted(torchvision.models.list_models(module=torchvision.models))
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def classifier_name(model: nn.Module) -> str:
@@ -70,8 +57,7 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
             stripped = False
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
-                    key = key[len(prefix) :]
-                    stripped = True
+                    key, stripped = key[len(prefix) :], True
         state[key] = value
     return state
 
@@ -108,11 +94,11 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in skipped]
     if missing or unexpected:
-        detail = []
-        if missing:
-            detail.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            detail.append(f"unexpected {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        detail = [
+            f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
+            for kind, keys in (("missing", missing), ("unexpected", unexpected))
+            if keys
+        ]
         raise ValueError(f"{path} does not fit {type(model).__name__} ({'; '.join(detail)}); check --model.arch.")
     return skipped
 
@@ -126,16 +112,15 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
         weights: ``None`` for random initialisation; a torchvision weights name (``IMAGENET1K_V2``,
             ``DEFAULT`` or ``ResNet50_Weights.IMAGENET1K_V2``); or the path of a local file.
     """
-    names = architectures()
+    names = sorted(torchvision.models.list_models(module=torchvision.models))
     if arch not in names:
         raise ValueError(f"Unknown architecture {arch!r}; choose one of torchvision's: {', '.join(names)}.")
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1. Got {num_classes}")
-    if weights is None:
-        return torchvision.models.get_model(arch, num_classes=num_classes)
-    if _looks_like_path(weights):
+    if weights is None or _looks_like_path(weights):
         model = torchvision.models.get_model(arch, num_classes=num_classes)
-        load_weights_file(model, weights)
+        if weights is not None:
+            load_weights_file(model, weights)
         return model
     try:
         enum = torchvision.models.get_model_weights(arch)
@@ -161,23 +146,14 @@ def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter
     return [p for p in network.parameters() if id(p) not in head]
 
 
-def _backbone_batchnorms(network: nn.Module, head_name: str) -> list[nn.Module]:
-    prefix = head_name + "."
-    return [
-        m
-        for name, m in network.named_modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and not (name + ".").startswith(prefix)
-    ]
-
-
 def set_backbone_frozen(network: nn.Module, head_name: str, frozen: bool, training: bool) -> None:
     """Stops (or restarts) training of everything but the classifier head.
 
-    Frozen parameters get no gradients, so SGD leaves them as they are (weight decay included),
-    and the batchnorm layers are put in eval mode so that their running statistics, which the
-    pretrained weights came with, are used and kept. Unfrozen, they follow ``training``.
+    Frozen parameters get no gradients and the batch norm layers run in eval mode, keeping their statistics;
+    unfrozen, they follow ``training``.
     """
     for p in backbone_parameters(network, head_name):
         p.requires_grad_(not frozen)
-    for m in _backbone_batchnorms(network, head_name):
-        m.train(not frozen and training)
+    for name, m in network.named_modules():
+        if isinstance(m, BATCH_NORMS) and not (name + ".").startswith(head_name + "."):
+            m.train(not frozen and training)

@@ -1,9 +1,7 @@
 """SGD as the reference set it up, and its learning-rate schedule fitted to the run's batch and length.
 
-The rates are given per 256 images and scaled by the global batch (``scaled_lr``); the schedule
-counts optimizer steps per epoch. Both depend on the training loader, which Lightning builds after
-``configure_optimizers``: the optimizer is made with placeholder rates and ``restart_schedule`` sets
-them at the start of training.
+Both depend on the training loader, which Lightning builds after ``configure_optimizers``: the optimizer is
+made with placeholder rates and ``restart_schedule`` sets them at the start of training.
 """
 
 from __future__ import annotations
@@ -44,19 +42,17 @@ def build_sgd(
     weight_decay: float,
     fused: bool,
 ) -> torch.optim.SGD:
-    """SGD over two parameter groups, the head's at ``lr`` and the backbone's at ``lr * backbone_lr_scale``.
+    """SGD over two parameter groups: the head's (first) at ``lr``, the backbone's at ``lr * backbone_lr_scale``.
 
-    The head comes first, so that ``param_groups[0]`` carries the full rate. ``fused``: the fused
-    CUDA kernel, with its momentum buffers created as zeros.
+    ``fused``: the fused CUDA kernel, with its momentum buffers created as zeros.
     """
     groups = [{"params": head, "lr": lr}, {"params": backbone, "lr": lr * backbone_lr_scale}]
     optimizer = torch.optim.SGD(
         groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **({"fused": True} if fused else {})
     )
     if fused and momentum != 0:
-        # Fused SGD makes its momentum buffers with empty_like at its first step; when the gradient
-        # scaler skips that step (float16 overflow, common at the first steps), they stay garbage and
-        # the next step turns the weights into NaN. Zeros give the same first update (buffer = grad).
+        # Fused SGD makes its buffers with empty_like; a first step skipped by the gradient scaler would
+        # leave them garbage. Zeros give the same first update.
         for group in groups:
             for p in group["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -90,8 +86,7 @@ def restart_schedule(
 ) -> None:
     """Gives each parameter group a new base rate and a fresh ``schedule()``, and sets its rate to match."""
     scheduler.base_lrs = list(base_lrs)
-    # Built afresh from this run's settings: a resumed LambdaLR has put back the schedule objects of
-    # the checkpoint, whose max_epochs, warmup or milestones this run may have changed.
+    # Afresh: a resumed LambdaLR holds the checkpoint's schedules, whose settings this run may have changed.
     scheduler.lr_lambdas = [schedule() for _ in scheduler.lr_lambdas]
     optimizer = scheduler.optimizer
     for group, base, lam in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):

@@ -1,19 +1,7 @@
-"""Mixed precision: NVIDIA apex AMP as a Lightning precision plugin, and native equivalents.
+"""Mixed precision: NVIDIA apex AMP as a Lightning precision plugin, and the native equivalents of its flags.
 
-NVIDIA apex's ImageNet example trained with ``apex.amp`` opt levels O0-O3. Lightning 2 has no apex
-support and apex removed ``amp`` in release 25.07, but older containers still ship it and people
-moving over think in opt levels, so:
-
-- ``ApexAMP`` is a precision plugin that drives ``apex.amp`` (``amp.initialize``, ``amp.scale_loss``,
-  the loss scaler's state in checkpoints, clipping on apex's master parameters).
-- ``--trainer.strategy ddp_apex`` (``lit_imagenet.training.strategies``) runs ``amp.initialize`` on the
-  bare model before DDP wraps it.
-- ``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale``
-  into the apex plugin when ``apex.amp`` can be imported, and into the closest native setting
-  otherwise (``O0`` -> ``32-true``, ``O1``/``O2`` -> ``16-mixed``, ``O3`` -> ``16-true``), saying which.
-- ``StaticScaleMixedPrecision`` is native ``16-mixed`` with a fixed loss scale (the reference's
-  ``--loss-scale 128.0``); ``KeepBatchNormHalfPrecision`` is ``16-true`` with batch norm kept in float32
-  (``O3`` with ``--keep-batchnorm-fp32 True``).
+``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale`` into
+``ApexAMP`` when ``apex.amp`` imports (apex 25.05 or older), else into the closest native setting.
 """
 
 from __future__ import annotations
@@ -27,12 +15,12 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lit_imagenet.compat import attached_trainer
+from lit_imagenet.compat import attached_trainer, run_after_closure
+from lit_imagenet.training.models import BATCH_NORMS
 
 OptLevel = Literal["O0", "O1", "O2", "O3"]
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -62,18 +50,17 @@ def _parse_loss_scale(loss_scale: float | str | None) -> float | str | None:
     try:
         value = float(loss_scale)
     except (TypeError, ValueError):
-        raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}") from None
+        value = 0.0
     if not value > 0:
         raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}")
     return value
 
 
 class ApexAMP(Precision):
-    """Mixed precision through NVIDIA apex's ``amp`` (apex 25.05 or older), as the reference trained.
+    """Mixed precision through NVIDIA apex's ``amp``, as the reference trained.
 
-    Use with one process, or with ``--trainer.strategy ddp_apex`` for several. Gradient accumulation
-    is refused (apex would unscale every micro-batch); gradient clipping works on apex's master
-    parameters. The loss scaler's state is saved in checkpoints and restored on resume.
+    Use with one process, or with ``--trainer.strategy ddp_apex`` for several. Gradient accumulation is
+    refused; clipping works on apex's master parameters; the loss scaler's state goes in checkpoints.
 
     Args:
         opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 model with fp32 master
@@ -96,7 +83,7 @@ class ApexAMP(Precision):
         self.opt_level = opt_level
         self.keep_batchnorm_fp32 = keep_batchnorm_fp32
         self.loss_scale = _parse_loss_scale(loss_scale)
-        self.precision = "32-true" if opt_level == "O0" else ("16-true" if opt_level == "O3" else "16-mixed")
+        self.precision = NATIVE_EQUIVALENT[opt_level]
         self._initialized = False
         self._pending_state: dict[str, Any] | None = None
 
@@ -112,11 +99,8 @@ class ApexAMP(Precision):
                 "Gradient accumulation is not supported with apex AMP (it would unscale every micro-batch); "
                 "use --trainer.precision 16-mixed, or --trainer.accumulate_grad_batches 1."
             )
-        kwargs: dict[str, Any] = {"opt_level": self.opt_level, "verbosity": 0}
-        if self.keep_batchnorm_fp32 is not None:
-            kwargs["keep_batchnorm_fp32"] = self.keep_batchnorm_fp32
-        if self.loss_scale is not None:
-            kwargs["loss_scale"] = self.loss_scale
+        options = {"keep_batchnorm_fp32": self.keep_batchnorm_fp32, "loss_scale": self.loss_scale}
+        kwargs = {"opt_level": self.opt_level, "verbosity": 0, **{k: v for k, v in options.items() if v is not None}}
         if optimizers:
             model, optimizers = self.amp.initialize(model, optimizers, **kwargs)
         else:
@@ -148,7 +132,7 @@ class ApexAMP(Precision):
     ) -> Any:
         # apex's patched step refuses closures, so the closure (forward and backward) runs first.
         closure_result = closure()
-        self._after_closure(model, optimizer)
+        run_after_closure(self, model, optimizer)
         if closure_result is None and model.automatic_optimization:
             return None  # backward was skipped: nothing to step
         return optimizer.step(**kwargs)
@@ -206,7 +190,7 @@ class KeepBatchNormHalfPrecision(HalfPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
         for m in module.modules():
-            if isinstance(m, _BatchNorm):
+            if isinstance(m, BATCH_NORMS):
                 m.float()
         return module
 
@@ -219,8 +203,7 @@ class AMPFlags:
         opt_level: The reference's ``--opt-level`` (O0, O1, O2, O3). Unset: ``--trainer.precision`` decides.
         keep_batchnorm_fp32: The reference's ``--keep-batchnorm-fp32``.
         loss_scale: The reference's ``--loss-scale``: a number for a fixed scale, or ``dynamic``.
-        backend: ``auto`` uses apex when ``apex.amp`` can be imported and native AMP otherwise;
-            ``apex`` or ``native`` force one.
+        backend: ``auto`` (apex if ``apex.amp`` imports, else native), ``apex`` or ``native``.
     """
 
     opt_level: OptLevel | None = None
@@ -231,7 +214,7 @@ class AMPFlags:
 
 @dataclass
 class AMPChoice:
-    """What ``resolve_amp`` chose: a precision flag or plugin for the Trainer, and a line saying so."""
+    """What ``resolve_amp`` chose: a precision flag or plugin (and strategy) for the Trainer, and a line saying so."""
 
     precision: str | None
     plugin: Precision | None
@@ -268,25 +251,21 @@ def resolve_amp(
                 raise
             reason = str(err).split(";")[0]
         else:
-            plugin = ApexAMP(opt_level, keep_batchnorm_fp32, scale)
-            strategy = "ddp_apex" if devices > 1 else None
-            message = f"AMP: apex amp {opt_level} ({_describe(keep_batchnorm_fp32, scale)})"
-            return AMPChoice(None, plugin, strategy, message)
+            bn, scale_name = (("apex default" if v is None else str(v)) for v in (keep_batchnorm_fp32, scale))
+            message = f"AMP: apex amp {opt_level} (keep_batchnorm_fp32={bn}, loss_scale={scale_name})"
+            return AMPChoice(
+                None, ApexAMP(opt_level, keep_batchnorm_fp32, scale), "ddp_apex" if devices > 1 else None, message
+            )
     else:
         reason = "native AMP was asked for"
     native = NATIVE_EQUIVALENT[opt_level]
     note = f"AMP: native {native} for apex {opt_level} ({reason})"
     if native == "16-mixed" and isinstance(scale, float):
-        plugin = StaticScaleMixedPrecision(scale, device_type)
-        return AMPChoice(None, plugin, None, f"{note}, static loss scale {scale:g}")
+        return AMPChoice(
+            None, StaticScaleMixedPrecision(scale, device_type), None, f"{note}, static loss scale {scale:g}"
+        )
     if native == "16-true" and keep_batchnorm_fp32:
         return AMPChoice(None, KeepBatchNormHalfPrecision(), None, f"{note}, batch norm kept in float32")
     if native == "16-mixed" and keep_batchnorm_fp32 is False:
         note += "; autocast keeps batch norm in float32 regardless"
     return AMPChoice(native, None, None, note)
-
-
-def _describe(keep_batchnorm_fp32: bool | None, loss_scale: float | str | None) -> str:
-    bn = "apex default" if keep_batchnorm_fp32 is None else str(keep_batchnorm_fp32)
-    scale = "apex default" if loss_scale is None else str(loss_scale)
-    return f"keep_batchnorm_fp32={bn}, loss_scale={scale}"

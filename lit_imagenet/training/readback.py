@@ -1,10 +1,4 @@
-"""Reading GPU values on the host without waiting for the GPU's whole queue of work.
-
-``copy_to_host`` starts a copy to pinned memory and records an event behind it; ``read_host_copy``
-waits for that event only, so a value read a little later costs the GPU no idle time.
-``DelayedMax`` does the same for a maximum over all ranks, started at one check and read at the
-next. ``sync_device`` is the full wait, for clocks that must measure the work queued so far.
-"""
+"""Reading GPU values on the host without waiting for the GPU's whole queue of work."""
 
 from __future__ import annotations
 
@@ -23,20 +17,16 @@ def sync_device(pl_module: pl.LightningModule) -> None:
 def copy_to_host(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     """Starts copying ``tensor`` to host memory, without waiting for the GPU.
 
-    Returns the copy and, for a CUDA tensor, an event recorded right after it on the tensor's
-    current stream: call ``event.synchronize()`` before reading the copy. That wait lasts until the
-    GPU has done the work queued before the copy, not the work queued since, so a value read a
-    little later (after the step's backward pass and optimizer step were queued) costs the GPU no
-    idle time, where ``.item()`` or ``.cpu()`` would wait for the whole queue.
+    Returns the copy and, for a CUDA tensor, an event recorded after it: ``read_host_copy`` waits for that
+    event only, not for the work queued since.
     """
     tensor = tensor.detach()
     if tensor.device.type != "cuda":
         return tensor.clone(), None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    stream = torch.cuda.current_stream(tensor.device)
     host.copy_(tensor, non_blocking=True)
     event = torch.cuda.Event()
-    event.record(stream)
+    event.record(torch.cuda.current_stream(tensor.device))
     return host, event
 
 
@@ -51,12 +41,8 @@ def read_host_copy(copy: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
 class DelayedMax:
     """A maximum over all ranks of a few int64 figures, started at one check and read at the next.
 
-    ``start`` copies the figures into a device slot, all-reduces them there under DDP and starts
-    copying the result into pinned host memory; ``read`` returns that result once the GPU has
-    written it, which at the next check it did long ago, so neither waits for the GPU's queued work.
-    Two slots are used in turn, and they live as long as this object: a copy or a collective still
-    queued on the GPU never writes into memory that the caching allocator has handed to another
-    tensor. Every rank must call ``start`` at the same batches, as for any collective.
+    Two device and pinned host slots are used in turn and live as long as this object, so no queued copy or
+    collective writes into memory handed elsewhere. Every rank must start checks at the same batches.
 
     Args:
         size: How many figures.
@@ -68,6 +54,7 @@ class DelayedMax:
         self._host = torch.zeros((2, size), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._events: list[torch.cuda.Event | None] = [None, None]
         self._next = 0
+        self._pending: int | None = None
 
     def start(self, figures: Tensor) -> int:
         """Starts the maximum of ``figures`` (on this object's device) over all ranks; returns its slot."""
@@ -76,13 +63,10 @@ class DelayedMax:
         value.copy_(figures)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        self._host[slot].copy_(value, non_blocking=value.is_cuda)
         if value.is_cuda:
-            self._host[slot].copy_(value, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._events[slot] = torch.cuda.Event()
             event.record(torch.cuda.current_stream(value.device))
-            self._events[slot] = event
-        else:
-            self._host[slot].copy_(value)
         return slot
 
     def read(self, slot: int) -> list[int]:
@@ -91,3 +75,13 @@ class DelayedMax:
         if event is not None:
             event.synchronize()
         return [int(v) for v in self._host[slot].tolist()]
+
+    def step(self, figures: Tensor) -> list[int] | None:
+        """Starts the maximum of ``figures``; returns the one the previous ``step`` started (``None`` at the first)."""
+        previous, self._pending = self._pending, self.start(figures)
+        return None if previous is None else self.read(previous)
+
+    def now(self, figures: Tensor) -> list[int]:
+        """The maximum of ``figures`` over all ranks, waiting for it; the check in flight is dropped."""
+        self._pending = None
+        return self.read(self.start(figures))

@@ -1,12 +1,4 @@
-"""The learning-rate rule of NVIDIA apex's ImageNet example, as a per-step multiplier.
-
-The base rate is given per 256 images and scaled by the global batch. For the first
-``warmup_epochs`` it ramps up linearly, recomputed at every optimizer step; after that it is
-multiplied by ``gamma`` once for each milestone epoch reached. The defaults (5 warmup epochs,
-milestones 30, 60, 80) give the schedule the example used for ResNet-50 in 90 epochs.
-
-``WarmupCosine`` is the short schedule for fine-tuning: the same warmup, then a cosine decay to 0.
-"""
+"""Learning-rate multipliers per optimizer step: NVIDIA apex's ImageNet example's rule, and warmup then cosine."""
 
 from __future__ import annotations
 
@@ -22,17 +14,11 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
 
 
 class WarmupMultiStep:
-    """Multiplier of the base learning rate at a given optimizer step.
+    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step.
 
-    Calling it with the number of optimizer steps already taken (0 for the first step) gives the
-    factor for the next step. Inside epoch ``e`` (of ``steps_per_epoch`` steps), the ``k``-th step
-    (counting from 1, as the example counted it) gets::
-
-        gamma ** (milestones reached by e)
-        * (1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)   # only while e < warmup_epochs
-
-    It is a plain object with numeric attributes, so ``LambdaLR`` saves and restores it with its
-    state dict.
+    The ``k``-th step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times
+    ``(1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``.
+    A plain object, so ``LambdaLR`` saves and restores it with its state dict.
 
     Args:
         steps_per_epoch: Optimizer steps in one epoch.
@@ -73,15 +59,8 @@ class WarmupMultiStep:
 
 
 class WarmupCosine:
-    """Multiplier of the base learning rate for fine-tuning: linear warmup, then cosine decay to 0.
-
-    Calling it with the number of optimizer steps already taken (0 for the first step) gives the
-    factor for the next step. Warmup is a linear ramp that reaches 1 at the last warmup step (its
-    ``n``-th step gets ``n / warmup_steps``; ``WarmupMultiStep`` keeps the reference's ramp, one step
-    ahead of this one); after it the factor follows half a cosine from 1 down to 0, reached after the last step of
-    ``max_epochs`` epochs. Like ``WarmupMultiStep`` it is a plain object with numeric attributes,
-    so ``LambdaLR`` saves and restores it with its state dict. ``LambdaLR`` applies it to every
-    parameter group, so groups with different base rates keep their ratio.
+    """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``), then half a cosine down to 0 at the end
+    of ``max_epochs``; called with the optimizer steps taken, the factor for the next step.
 
     Args:
         steps_per_epoch: Optimizer steps in one epoch.
