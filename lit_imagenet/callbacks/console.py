@@ -54,6 +54,15 @@ def quiet_third_party() -> None:
         tips.addFilter(_DropTip())
 
 
+def console_print(trainer: pl.Trainer, line: str) -> None:
+    """Prints ``line`` on a line of its own, above the progress bar where there is one."""
+    bar = trainer.progress_bar_callback
+    if bar is not None and bar.is_enabled and hasattr(bar, "print"):
+        bar.print(line)
+    else:
+        print(line, flush=True)
+
+
 class _EpochMeter(pl.Callback):
     """Starts measuring at each training epoch's start, and at a resume part-way through one."""
 
@@ -131,7 +140,7 @@ class ConsoleLog(_EpochMeter):
         else:
             where = f"Validation of {trainer.ckpt_path}" if trainer.ckpt_path else "Validation"
         shown = [f"{name} {float(metrics[key]):.4f}" for key, name in _VALIDATION if key in metrics]
-        self._print(trainer, f"{where}: {', '.join(shown)} ({seconds:.1f} s)")
+        console_print(trainer, f"{where}: {', '.join(shown)} ({seconds:.1f} s)")
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -180,15 +189,7 @@ class ConsoleLog(_EpochMeter):
         for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
             if key in metrics:
                 shown.append(f"{name} {float(metrics[key]):.4f}")
-        self._print(trainer, " | ".join(shown))
-
-    @staticmethod
-    def _print(trainer: pl.Trainer, line: str) -> None:
-        bar = trainer.progress_bar_callback
-        if bar is not None and bar.is_enabled and hasattr(bar, "print"):
-            bar.print(line)
-        else:
-            print(line, flush=True)
+        console_print(trainer, " | ".join(shown))
 
 
 class Throughput(_EpochMeter):
