@@ -63,11 +63,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     left = config.stash.get(_LEFT_KEY, [])
     if left:
-        terminalreporter.write_line(
-            f"The tests left {len(left)} new entries in the checkout {REPO} (write under tmp_path instead): "
-            + ", ".join(line[3:] for line in left),
-            red=True,
-        )
+        names = ", ".join(line[3:] for line in left)  # after git's two status letters and a space
+        line = f"The tests left {names} in the checkout {REPO}; tests write under tmp_path."
+        terminalreporter.write_line(line, red=True)
 
 
 def _dali_missing() -> str | None:
