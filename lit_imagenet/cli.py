@@ -30,7 +30,7 @@ from lit_imagenet.callbacks.checkpoints import (
     find_last_checkpoint,
     use_atomic_checkpoint_io,
 )
-from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
+from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput, quiet_third_party
 from lit_imagenet.callbacks.guard import NonFiniteGuard, NonFiniteLossError
 from lit_imagenet.callbacks.logs import RunLogger, TrainingCurves
 from lit_imagenet.callbacks.predictions import PredictionWriter
@@ -340,6 +340,7 @@ def main(
         datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
             and ``num_classes``, and a ``channels_last`` argument.
     """
+    quiet_third_party()
     warning = untested_version_warning()
     if warning is not None:
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ import atexit
 import os
 import platform
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,52 @@ from tests.runs import REPO, BackgroundRun, job_script_flags, run_flags
 if "LIT_IMAGENET_CACHE" not in os.environ:
     os.environ["LIT_IMAGENET_CACHE"] = tempfile.mkdtemp(prefix="lit_imagenet_test_cache_")
     atexit.register(shutil.rmtree, os.environ["LIT_IMAGENET_CACHE"], ignore_errors=True)
+
+
+def checkout_entries(repo: Path = REPO) -> set[str] | None:
+    """``git status --porcelain --ignored`` of the checkout, less Python's byte-code caches; ``None`` outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored"], cwd=repo, capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return {line for line in out.stdout.splitlines() if "__pycache__" not in line and ".pytest_cache" not in line}
+
+
+_BEFORE_KEY = pytest.StashKey[set[str] | None]()
+_LEFT_KEY = pytest.StashKey[list[str]]()
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # pytest-xdist's workers have it: the check runs once, in the controller
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controller(session.config):
+        session.config.stash[_BEFORE_KEY] = checkout_entries()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run when the tests left something in the checkout: they write under their temporary folders only."""
+    before = session.config.stash.get(_BEFORE_KEY, None)
+    if not _controller(session.config) or before is None:
+        return
+    after = checkout_entries() or set()
+    left = sorted(after - before)
+    session.config.stash[_LEFT_KEY] = left
+    if left:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    left = config.stash.get(_LEFT_KEY, [])
+    if left:
+        names = ", ".join(line[3:] for line in left)  # after git's two status letters and a space
+        line = f"The tests left {names} in the checkout {REPO}; tests write under tmp_path."
+        terminalreporter.write_line(line, red=True)
 
 
 def _dali_missing() -> str | None:

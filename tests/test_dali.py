@@ -513,7 +513,8 @@ def test_auto_picks_dali_on_cuda_else_pil_and_says_why(shapes_root: Path, tmp_pa
 
 
 def test_importing_the_package_does_not_import_dali() -> None:
-    code = "import sys, lit_imagenet, lit_imagenet.data.datamodule, lit_imagenet.cli; print('nvidia.dali' in sys.modules)"
+    modules = "lit_imagenet, lit_imagenet.data.datamodule, lit_imagenet.cli"
+    code = f"import sys, {modules}; print('nvidia.dali' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1],
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}, check=True)  # fmt: skip
     assert out.stdout.strip() == "False"

@@ -11,6 +11,7 @@ import pytest
 import torch
 from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision
 
+from lit_imagenet.errors import ConfigError
 from lit_imagenet.training.precision import (
     ApexAMP,
     KeepBatchNormHalfPrecision,
@@ -19,7 +20,7 @@ from lit_imagenet.training.precision import (
     import_apex_amp,
     resolve_amp,
 )
-from tests.cli_args import SMALL_ARCH, fit_args
+from tests.cli_args import SMALL_ARCH, error_lines, fit_args
 from tests.runs import run_train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,10 +68,30 @@ def test_static_loss_scale_and_keep_batchnorm_map_to_native_plugins(no_apex) -> 
 
 
 def test_missing_apex_names_the_native_equivalent(no_apex) -> None:
-    with pytest.raises(ImportError, match="not installed.*O1/O2 -> 16-mixed, O3 -> 16-true"):
-        ApexAMP("O1")
+    plugin = ApexAMP("O1")  # built, so that the command line can report it in its own words
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ConfigError, match="not installed.*O1/O2 -> 16-mixed, O3 -> 16-true"):
+        plugin.connect(model, [torch.optim.SGD(model.parameters(), lr=0.1)], [])
     with pytest.raises(ImportError, match="not installed"):
         resolve_amp("O2", backend="apex")
+
+
+def test_the_apex_plugin_without_apex_is_one_line_as_the_amp_flags(shapes_root: Path, tmp_path: Path) -> None:
+    stub = tmp_path / "stub" / "apex"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise ImportError(\"No module named 'apex'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(REPO)])}
+    lines = {}
+    for flags in (
+        ["--trainer.plugins=lit_imagenet.training.precision.ApexAMP"],
+        ["--amp.opt_level=O1", "--amp.backend=apex"],
+    ):
+        done = run_train([*_fit_args(shapes_root, tmp_path), *flags], env=env)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        lines[flags[0]] = [line for line in error_lines(done.stderr) if line.startswith("error:")]
+    first, second = lines.values()
+    assert first == second and len(first) == 1 and "NVIDIA apex is not installed" in first[0], lines
 
 
 def test_apex_without_amp_says_it_was_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,8 +5,10 @@ None of these waits for the GPU during an epoch; ``Throughput`` synchronises at 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+import warnings
 from typing import Any
 
 import pytorch_lightning as pl
@@ -18,12 +20,58 @@ from lit_imagenet.compat import batches_that_stepped, writes_log_line
 from lit_imagenet.training.readback import sync_device
 
 
+class _DropTip(logging.Filter):
+    """Drops the records of a logger that advertise a service (Lightning's "Tip: ... litlogger" line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "litlogger" not in record.getMessage()
+
+
+def quiet_third_party() -> None:
+    """Silences the third-party warnings and lines that tell this package's user nothing they can act on.
+
+    Each is matched by its message and the module that issues it, so that any other warning still shows.
+    """
+    # Lightning's deprecated ``LeafSpec`` use in its own code: nothing the user can change.
+    warnings.filterwarnings(
+        "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
+        r"pytorch_lightning\.utilities\._pytree",
+    )  # fmt: skip
+    # validate and predict save no checkpoint, and a resumed fit keeps its own best and last: the "state won't be
+    # reloaded" note about another run's folder concerns nothing this run writes.
+    warnings.filterwarnings("ignore", r"The dirpath has changed from", UserWarning, r"pytorch_lightning\.callbacks")
+    # Printed where --seed_everything is unset (predict): "Seed set to 0" follows anyway, and predict draws nothing.
+    warnings.filterwarnings("ignore", r"No seed found, seed set to", module=r"lightning_fabric\.utilities\.seed")
+    # Printed on every machine with srun: the package's SLURM runs start through sbatch (scripts/), whose srun
+    # line launches them; a run started by hand is meant to run where it is.
+    warnings.filterwarnings(
+        "ignore", r"The `srun` command is available on your system but is not used",
+        module=r"lightning_fabric\.plugins\.environments\.slurm",
+    )  # fmt: skip
+    # An advertisement on every command, in the logger that also says which devices the run uses (kept).
+    tips = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    if not any(isinstance(f, _DropTip) for f in tips.filters):
+        tips.addFilter(_DropTip())
+
+
+def console_print(trainer: pl.Trainer, line: str) -> None:
+    """Prints ``line`` on a line of its own, above the progress bar where there is one."""
+    bar = trainer.progress_bar_callback
+    if bar is not None and bar.is_enabled and hasattr(bar, "print"):
+        bar.print(line)
+    else:
+        print(line, flush=True)
+
+
 class _EpochMeter(pl.Callback):
     """Starts measuring at each training epoch's start, and at a resume part-way through one."""
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.on_train_epoch_start(trainer, pl_module)
+
+
+_VALIDATION = (("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"))
 
 
 class ConsoleLog(_EpochMeter):
@@ -35,6 +83,9 @@ class ConsoleLog(_EpochMeter):
     written once the module has logged the batch's figures (at the next batch start, or at the epoch's end),
     without synchronising the GPU.
 
+    After each validation, once its metrics are reduced over the processes, one line as the reference's
+    `` * Prec@1``: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
+
     Args:
         enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).
     """
@@ -43,12 +94,15 @@ class ConsoleLog(_EpochMeter):
         self.enabled = enabled
         self._start, self._images, self._batches = 0.0, 0, 0
         self._pending: tuple[str, int] | None = None  # the line's start, and the step its figures are logged at
+        self._validation_start = 0.0
+        self._looping = False  # a loop has started, with its progress bar
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sync_device(pl_module)
         self._start, self._images, self._batches = time.perf_counter(), 0, 0
         self._pending = None
+        self._looping = True
 
     @override
     def on_train_batch_end(
@@ -70,6 +124,41 @@ class ConsoleLog(_EpochMeter):
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._write(trainer)
+        self._validation_start = time.perf_counter()
+        self._looping = True
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        seconds = time.perf_counter() - self._validation_start
+        metrics = trainer.callback_metrics  # on every rank: computing the epoch's metrics may be a collective
+        if not (self.enabled and trainer.is_global_zero) or "val/top1" not in metrics:
+            return
+        if trainer.state.fn == "fit":
+            where = f"Epoch {trainer.current_epoch} validation"
+        else:
+            where = f"Validation of {trainer.ckpt_path}" if trainer.ckpt_path else "Validation"
+        shown = [f"{name} {float(metrics[key]):.4f}" for key, name in _VALIDATION if key in metrics]
+        console_print(trainer, f"{where}: {', '.join(shown)} ({seconds:.1f} s)")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        bar = trainer.progress_bar_callback
+        if self._looping and trainer.is_global_zero and bar is not None and bar.is_enabled:
+            print(flush=True)  # the bar may be part-way through its line: the error's line starts on its own
+
+    @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._looping = True
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._looping = True
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._looping = True
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -100,12 +189,7 @@ class ConsoleLog(_EpochMeter):
         for key, name in (("train/loss_step", "loss"), ("train/top1_step", "top1"), ("train/top5_step", "top5")):
             if key in metrics:
                 shown.append(f"{name} {float(metrics[key]):.4f}")
-        line = " | ".join(shown)
-        bar = trainer.progress_bar_callback
-        if bar is not None and bar.is_enabled and hasattr(bar, "print"):
-            bar.print(line)
-        else:
-            print(line, flush=True)
+        console_print(trainer, " | ".join(shown))
 
 
 class Throughput(_EpochMeter):

@@ -12,6 +12,8 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import BasePredictionWriter
 from typing_extensions import override
 
+from lit_imagenet.callbacks.console import console_print
+
 
 class PredictionWriter(BasePredictionWriter):
     """Writes the top classes of every predicted image to a CSV file, one row per image in file order.
@@ -91,4 +93,4 @@ class PredictionWriter(BasePredictionWriter):
                     cells += [names[c] if names else str(c), f"{v:.6f}"]
                 writer.writerow(cells)
         self.path = path
-        print(f"Predictions for {len(rows)} images: {path}", flush=True)
+        console_print(trainer, f"Predictions for {len(rows)} images: {path}")

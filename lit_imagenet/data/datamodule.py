@@ -28,6 +28,17 @@ from lit_imagenet.errors import ConfigError, DataError
 DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the system has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+#: The default ``workers``: 4, or fewer where the process has fewer cores (more would only wait for them).
+DEFAULT_WORKERS = min(4, usable_cores())
+
+
 def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
     """The decoder ``auto`` stands for, and why: on one CUDA process DALI when it imports, else nvJPEG; on
     several nvJPEG (faster there, ``docs/benchmarks.md``); without CUDA, PIL."""
@@ -49,7 +60,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
             sub-folder of images per class.
         batch_size: Images per batch in each process.
-        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
+        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``); by
+            default 4, or the cores this process may use where they are fewer.
         crop_size: Side of the square crops fed to the network.
         val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
@@ -85,7 +97,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self,
         root: str | None = None,
         batch_size: int = 256,
-        workers: int = 4,
+        workers: int = DEFAULT_WORKERS,
         crop_size: int = 224,
         val_resize: int = 256,
         crop_scale: tuple[float, float] = (0.08, 1.0),

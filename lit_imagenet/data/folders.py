@@ -55,13 +55,6 @@ def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int
         _walk(os.path.join(folder, name), os.path.join(relative, name), names, folders)
 
 
-def image_files(folder: Path) -> list[Path]:
-    """Every image under ``folder``, sorted; an empty file or a non-image is an error (hidden files are not data)."""
-    names: list[bytes] = []
-    _walk(str(folder), "", names, {})
-    return [folder / os.fsdecode(n) for n in names]
-
-
 def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
     names: list[bytes] = []
     folders: dict[str, int] = {}
@@ -146,7 +139,9 @@ def scan_predict(folder: Path) -> SampleTable:
     """
     if not folder.is_dir():
         raise DataError(f"Prediction folder {folder} does not exist.")
-    files = image_files(folder)
-    if not files:
+    names: list[bytes] = []
+    _walk(str(folder), "", names, {})
+    if not names:
         raise DataError(f"Prediction folder {folder} holds no images.")
-    return SampleTable.from_pairs(folder, [(str(p), i) for i, p in enumerate(files)])
+    # The names are relative to the folder, which the table joins to each of them.
+    return SampleTable.from_pairs(folder, [(os.fsdecode(n), i) for i, n in enumerate(names)])

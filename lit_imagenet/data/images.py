@@ -72,9 +72,7 @@ def read_bytes(path: str) -> Tensor:
     try:
         return read_file(path)
     except Exception as err:
-        raise DataError(
-            f"Cannot read image {path} ({type(err).__name__}: {err}); replace or remove the file."
-        ) from None
+        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
 
 
 def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:

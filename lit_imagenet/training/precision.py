@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lit_imagenet.compat import attached_trainer, run_after_closure
+from lit_imagenet.errors import ConfigError
 from lit_imagenet.training.models import BATCH_NORMS
 
 OptLevel = Literal["O0", "O1", "O2", "O3"]
@@ -60,7 +61,8 @@ class ApexAMP(Precision):
     """Mixed precision through NVIDIA apex's ``amp``, as the reference trained.
 
     Use with one process, or with ``--trainer.strategy ddp_apex`` for several. Gradient accumulation is
-    refused; clipping works on apex's master parameters; the loss scaler's state goes in checkpoints.
+    refused; clipping works on apex's master parameters; the loss scaler's state goes in checkpoints. Where
+    ``apex.amp`` does not import, the run stops at its start with a ``ConfigError`` saying why.
 
     Args:
         opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 model with fp32 master
@@ -79,7 +81,12 @@ class ApexAMP(Precision):
     ) -> None:
         if opt_level not in OPT_LEVELS:
             raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}. Got {opt_level!r}")
-        self.amp = import_apex_amp()
+        try:
+            self._amp: Any = import_apex_amp()
+            self._missing = ""
+        except ImportError as err:
+            # Raised here, the command line would wrap it in its own errors; the run refuses at its start instead.
+            self._amp, self._missing = None, str(err)
         self.opt_level = opt_level
         self.keep_batchnorm_fp32 = keep_batchnorm_fp32
         self.loss_scale = _parse_loss_scale(loss_scale)
@@ -87,8 +94,24 @@ class ApexAMP(Precision):
         self._initialized = False
         self._pending_state: dict[str, Any] | None = None
 
+    @property
+    def amp(self) -> Any:
+        """The ``apex.amp`` module.
+
+        Raises:
+            ConfigError: apex AMP cannot be imported; the message says why and names the native equivalent.
+        """
+        if self._amp is None:
+            raise ConfigError(self._missing)
+        return self._amp
+
     def initialize(self, model: nn.Module, optimizers: list[Optimizer]) -> tuple[nn.Module, list[Optimizer]]:
-        """Calls ``amp.initialize`` on the bare model and its optimizers (before any DDP wrapping)."""
+        """Calls ``amp.initialize`` on the bare model and its optimizers (before any DDP wrapping).
+
+        Raises:
+            ConfigError: apex AMP cannot be imported.
+        """
+        amp = self.amp
         if isinstance(model, DistributedDataParallel):
             raise RuntimeError(
                 "apex AMP must initialise the model before DDP wraps it; use --trainer.strategy ddp_apex."
@@ -102,9 +125,9 @@ class ApexAMP(Precision):
         options = {"keep_batchnorm_fp32": self.keep_batchnorm_fp32, "loss_scale": self.loss_scale}
         kwargs = {"opt_level": self.opt_level, "verbosity": 0, **{k: v for k, v in options.items() if v is not None}}
         if optimizers:
-            model, optimizers = self.amp.initialize(model, optimizers, **kwargs)
+            model, optimizers = amp.initialize(model, optimizers, **kwargs)
         else:
-            model = self.amp.initialize(model, **kwargs)
+            model = amp.initialize(model, **kwargs)
         self._initialized = True
         if self._pending_state is not None:
             self.amp.load_state_dict(self._pending_state)
