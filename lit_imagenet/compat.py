@@ -185,3 +185,22 @@ def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, o
     """Runs what a precision plugin does after the training closure: the ``on_before_optimizer_step`` hooks and
     gradient clipping (for a plugin whose optimizer step cannot take the closure)."""
     _private(plugin, "_after_closure", "Precision")(model, optimizer)
+
+
+def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Records the current training epoch as unfinished in ``checkpoint`` (as a step checkpoint inside it would be)
+    when the fit loop counts it as processed although it ended before its last batch: Lightning does so when
+    ``max_steps``, ``max_time`` or ``should_stop`` end an epoch part-way, and a run resumed from such a checkpoint
+    would start the next epoch. Returns whether it changed ``checkpoint``."""
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    done, total = int(_private(progress.current, "processed", "_ReadyCompletedTracker")), trainer.num_training_batches
+    if not fit or progress.is_last_batch or done >= total:
+        return False
+    epochs = fit["epoch_progress"]
+    if epochs["current"]["processed"] < epochs["current"]["started"]:
+        return False  # saved inside the epoch: unfinished already
+    for counts in (epochs["current"], epochs["total"]):
+        counts["processed"] = counts["completed"] = counts["started"] - 1
+    checkpoint["epoch"] = epochs["current"]["completed"]
+    return True
