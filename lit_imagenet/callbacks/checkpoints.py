@@ -184,6 +184,13 @@ class StepCheckpoint(ModelCheckpoint):
         self._requeue = False
         self._requeue_asked_at = -1
 
+    @property
+    @override
+    def state_key(self) -> str:
+        # One per trainer. Lightning's key holds the interval and the step count: a run resumed with others would
+        # not find this callback's state, and would warn about it.
+        return type(self).__qualname__
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
