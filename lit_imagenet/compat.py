@@ -197,10 +197,16 @@ def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, An
     done, total = int(_private(progress.current, "processed", "_ReadyCompletedTracker")), trainer.num_training_batches
     if not fit or progress.is_last_batch or done >= total:
         return False
-    epochs = fit["epoch_progress"]
-    if epochs["current"]["processed"] < epochs["current"]["started"]:
-        return False  # saved inside the epoch: unfinished already
-    for counts in (epochs["current"], epochs["total"]):
-        counts["processed"] = counts["completed"] = counts["started"] - 1
-    checkpoint["epoch"] = epochs["current"]["completed"]
+    try:
+        current, total_counts = fit["epoch_progress"]["current"], fit["epoch_progress"]["total"]
+        if current["processed"] < current["started"]:
+            return False  # saved inside the epoch: unfinished already
+        for counts in (current, total_counts):
+            counts["processed"] = counts["completed"] = counts["started"] - 1
+    except (KeyError, TypeError):
+        raise LightningCompatError(
+            f"pytorch-lightning {pl.__version__} saves the fit loop's epoch progress in another form than lit_imagenet "
+            f"reads (lit_imagenet/compat.py); it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}."
+        ) from None
+    checkpoint["epoch"] = current["completed"]
     return True

@@ -314,3 +314,5 @@ def test_record_cut_epoch_as_unfinished_makes_a_stopped_epoch_go_on_from_its_nex
     whole = Marks()
     fit(whole, max_epochs=1)
     assert not whole.changed
+    with pytest.raises(compat.LightningCompatError, match="epoch progress in another form"):
+        compat.record_cut_epoch_as_unfinished(cut.trainer, {"loops": {"fit_loop": {"progress": {}}}})
