@@ -185,3 +185,28 @@ def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, o
     """Runs what a precision plugin does after the training closure: the ``on_before_optimizer_step`` hooks and
     gradient clipping (for a plugin whose optimizer step cannot take the closure)."""
     _private(plugin, "_after_closure", "Precision")(model, optimizer)
+
+
+def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
+    """Records the current training epoch as unfinished in ``checkpoint`` (as a step checkpoint inside it would be)
+    when the fit loop counts it as processed although it ended before its last batch: Lightning does so when
+    ``max_steps``, ``max_time`` or ``should_stop`` end an epoch part-way, and a run resumed from such a checkpoint
+    would start the next epoch. Returns whether it changed ``checkpoint``."""
+    fit = checkpoint.get("loops", {}).get("fit_loop")
+    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    done, total = int(_private(progress.current, "processed", "_ReadyCompletedTracker")), trainer.num_training_batches
+    if not fit or progress.is_last_batch or done >= total:
+        return False
+    try:
+        current, total_counts = fit["epoch_progress"]["current"], fit["epoch_progress"]["total"]
+        if current["processed"] < current["started"]:
+            return False  # saved inside the epoch: unfinished already
+        for counts in (current, total_counts):
+            counts["processed"] = counts["completed"] = counts["started"] - 1
+    except (KeyError, TypeError):
+        raise LightningCompatError(
+            f"pytorch-lightning {pl.__version__} saves the fit loop's epoch progress in another form than lit_imagenet "
+            f"reads (lit_imagenet/compat.py); it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}."
+        ) from None
+    checkpoint["epoch"] = current["completed"]
+    return True

@@ -130,3 +130,32 @@ class RecordBatches(pl.Callback):
                "labels": batch[1].tolist()}  # fmt: skip
         with open(self.folder / f"batches-rank{trainer.global_rank}.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+class SlowSteps(pl.Callback):
+    """Makes every training batch take ``seconds`` longer, for runs stopped by the clock (``--trainer.max_time``).
+
+    Args:
+        seconds: The wait after each training batch.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        time.sleep(self.seconds)
+
+
+class StopAfterStep(pl.Callback):
+    """Sets ``trainer.should_stop`` after the optimizer step ``step`` (counted from 1), as an early stop does.
+
+    Args:
+        step: The global step after which the run stops.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,12 @@ import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 
 from lit_imagenet.callbacks import checkpoints, preemption
-from lit_imagenet.callbacks.checkpoints import AtomicCheckpointIO, CheckpointWriteError, use_atomic_checkpoint_io
+from lit_imagenet.callbacks.checkpoints import (
+    AtomicCheckpointIO,
+    CheckpointWriteError,
+    StepCheckpoint,
+    use_atomic_checkpoint_io,
+)
 from lit_imagenet.cli import main
 from tests.cli_args import SMALL_ARCH, error_lines
 from tests.cli_args import fit_args as _fit_args
@@ -136,7 +142,7 @@ def test_default_writer_is_replaced_but_a_users_is_kept(tmp_path: Path) -> None:
     assert type(trainer.strategy.checkpoint_io) is Mine
 
 
-def test_step_checkpoints_and_resume_from_last(shapes_root: Path, tmp_path: Path, capsys) -> None:
+def test_step_checkpoints_and_resume_from_last(shapes_root: Path, tmp_path: Path, capsys, recwarn) -> None:
     # 24 training images in batches of 8: 3 steps per epoch; a step checkpoint every 2 steps
     cli = main(
         _fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1", "--step_checkpoint.every_n_train_steps", "2")
@@ -151,6 +157,8 @@ def test_step_checkpoints_and_resume_from_last(shapes_root: Path, tmp_path: Path
     cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", "last"))
     assert f"Resuming from {step_ckpt}" in capsys.readouterr().out
     assert cli.trainer.global_step == 6 and cli.trainer.current_epoch == 2
+    # Saved every 2 steps, resumed saving every 15 minutes: the step checkpoint's state is found all the same.
+    assert not [w for w in recwarn if "callbacks used to create the checkpoint" in str(w.message)]
 
 
 def test_disk_full_in_a_fit_is_one_line_and_exit_1(shapes_root: Path, tmp_path: Path, monkeypatch, capsys) -> None:
@@ -193,7 +201,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
 
 
 def test_step_checkpoint_writes_nothing_at_the_end_of_a_run(shapes_root: Path, tmp_path: Path) -> None:
-    """With every_n_train_steps 0 the file is for SIGTERM only: the run's end is last.ckpt already."""
+    """A run shorter than the step checkpoint's interval writes none: the run's end is last.ckpt already."""
     cli = main(_fit_args(shapes_root, tmp_path, "--trainer.max_epochs", "1"))
     folder = Path(cli.trainer.log_dir) / "checkpoints"
     assert (folder / "last.ckpt").is_file() and not (folder / "last-step.ckpt").exists()
@@ -304,3 +312,19 @@ def test_torchrun_restarts_that_cannot_work_are_named(monkeypatch) -> None:
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "1")  # one agent restarts its own group with no trouble
     assert preemption.torchrun_restart_problem() is None
+
+
+def test_step_checkpoints_are_saved_every_15_minutes_unless_told_otherwise(shapes_root: Path, tmp_path: Path) -> None:
+    def interval(*args: str) -> timedelta | None:
+        cli = main([*args, "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path)], run=False)
+        return cli.config["step_checkpoint"]["train_time_interval"]
+
+    assert interval() == timedelta(minutes=15)
+    assert interval("--step_checkpoint.train_time_interval", "0:00:02") == timedelta(seconds=2)
+    assert interval("--step_checkpoint.train_time_interval", "null") is None
+    recipe = ("--config", str(REPO / "configs" / "resnet50.yaml"), "--trainer.accelerator", "cpu",
+              "--trainer.devices", "1", "--trainer.precision", "32-true")  # fmt: skip
+    assert interval(*recipe) == timedelta(minutes=15)
+    assert interval(*recipe, "--step_checkpoint.train_time_interval", "1:00:00") == timedelta(hours=1)
+    with pytest.raises(ValueError, match="train_time_interval must be positive"):
+        StepCheckpoint(train_time_interval=timedelta(0))

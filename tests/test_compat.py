@@ -280,3 +280,39 @@ def test_run_after_closure_calls_the_hooks_and_clips_as_lightnings_own_step(tmp_
     assert len(hooks.norms) == 2 and all(0 < n <= 1e-3 + 1e-9 for n in hooks.norms)
     with pytest.raises(compat.LightningCompatError, match=r"no Precision\._after_closure"):
         compat.run_after_closure(SimpleNamespace(), Tiny(), None)
+
+
+def test_record_cut_epoch_as_unfinished_makes_a_stopped_epoch_go_on_from_its_next_batch(tmp_path: Path) -> None:
+    class Marks(Tiny):
+        def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            self.changed = compat.record_cut_epoch_as_unfinished(self.trainer, checkpoint)
+
+    class Batches(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int]] = []
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            self.seen.append((trainer.current_epoch, args[-1]))
+
+    def fit(model: Marks, ckpt: Path | None = None, **limits: Any) -> Batches:
+        batches = Batches()
+        trainer = pl.Trainer(default_root_dir=tmp_path, accelerator="cpu", logger=False, callbacks=[batches],
+                             enable_progress_bar=False, enable_checkpointing=False, **limits)  # fmt: skip
+        trainer.fit(model, ckpt_path=ckpt)
+        trainer.save_checkpoint(tmp_path / "end.ckpt")
+        return batches
+
+    cut = Marks()
+    fit(cut, max_steps=3)  # 3 of the epoch's 8 batches: Lightning counts the epoch as done
+    assert cut.changed
+    saved = torch.load(tmp_path / "end.ckpt", weights_only=True)
+    assert saved["epoch"] == 0 and saved["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 0
+    resumed = Marks()
+    seen = fit(resumed, tmp_path / "end.ckpt", max_steps=16).seen
+    assert seen == [(0, b) for b in range(3, 8)] + [(1, b) for b in range(8)]  # the rest of epoch 0 first
+    assert not resumed.changed  # epoch 1 ended at its last batch
+    whole = Marks()
+    fit(whole, max_epochs=1)
+    assert not whole.changed
+    with pytest.raises(compat.LightningCompatError, match="epoch progress in another form"):
+        compat.record_cut_epoch_as_unfinished(cut.trainer, {"loops": {"fit_loop": {"progress": {}}}})

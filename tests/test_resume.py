@@ -1,5 +1,6 @@
 """A run killed with SIGKILL mid-epoch and resumed ends with exactly the weights of an uninterrupted run."""
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,39 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_roo
     assert "Resuming from" in out
 
     assert global_step(final_checkpoint(cut)) == 48
+    different = differing(final_checkpoint(whole), final_checkpoint(cut))
+    assert not different, different[:5]
+
+
+def test_a_run_killed_before_its_first_epoch_ends_resumes_from_its_time_checkpoint(
+    learnable_root: Path, tmp_path: Path
+) -> None:
+    """Step checkpoints by time (every 15 minutes by default; 1 s here, with slow steps): a SIGKILL inside epoch 0
+    leaves one to resume from, and the resumed run goes on from its step to exactly an uninterrupted run's weights."""
+    one_epoch = ("--trainer.max_epochs", "1", "--step_checkpoint.every_n_train_steps", "0")  # 24 steps
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    slow, record = tmp_path / "slow.yaml", tmp_path / "record.yaml"
+    slow.write_text("trainer:\n  callbacks:\n    - class_path: tests.run_callbacks.SlowSteps\n"
+                    "      init_args: {seconds: 0.15}\n")  # fmt: skip
+    record.write_text("trainer:\n  callbacks:\n    - class_path: tests.run_callbacks.RecordBatches\n"
+                      f"      init_args: {{folder: {tmp_path / 'batches'}}}\n")  # fmt: skip
+    with ThreadPoolExecutor(1) as pool:
+        whole_run = _start(_args(learnable_root, whole, *one_epoch), tmp_path)
+        whole_output = pool.submit(whole_run.communicate, timeout=600)
+        killed = _start(_args(learnable_root, cut, *one_epoch, "--step_checkpoint.train_time_interval", "0:00:01",
+                              "--config", str(slow)), tmp_path)  # fmt: skip
+        killed_at = kill_when(killed, cut, lambda step: step > 0)
+        out, _ = whole_output.result()
+    assert whole_run.returncode == 0, out[-3000:]
+    assert 0 < killed_at < 24 and not list(cut.rglob("last.ckpt"))  # killed inside epoch 0, before its end
+
+    proc = _start(_args(learnable_root, cut, *one_epoch, "--config", str(record), "--ckpt_path", "last"), tmp_path)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    assert "Resuming from" in out and "last-step.ckpt" in out
+    first = json.loads((tmp_path / "batches" / "batches-rank0.jsonl").read_text().splitlines()[0])
+    assert (first["epoch"], first["step"]) == (0, killed_at)
+    assert global_step(final_checkpoint(cut)) == 24
     different = differing(final_checkpoint(whole), final_checkpoint(cut))
     assert not different, different[:5]
 

@@ -9,6 +9,7 @@ import re
 import secrets
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -141,34 +142,54 @@ class AtomicCheckpoints(pl.Callback):
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Saves ``last-step.ckpt`` every ``every_n_train_steps`` optimizer steps, on SIGTERM and on SLURM's requeue signal.
+    """Saves ``last-step.ckpt`` every ``train_time_interval`` of training (or every ``every_n_train_steps`` optimizer
+    steps), on SIGTERM and on SLURM's requeue signal.
 
-    The file is overwritten each time; ``--ckpt_path last`` resumes from the newest ``last*.ckpt``. After
-    ``catch_requeue_signal``, the processes agree after each optimizer step whether any got the signal, so that
-    all stop after the same step.
+    The file is overwritten each time; ``--ckpt_path last`` resumes from the newest ``last*.ckpt``, so a run killed
+    outright loses at most the interval. After ``catch_requeue_signal``, the processes agree after each optimizer
+    step whether any got the signal, so that all stop after the same step.
 
     Args:
-        every_n_train_steps: Save every this many optimizer steps; 0 saves only on a signal.
+        every_n_train_steps: Save every this many optimizer steps instead of every ``train_time_interval``; 0: by time.
+        train_time_interval: Save when this much time has passed since the last save, checked after each optimizer
+            step (``H:MM:SS`` on the command line); ``None`` (with ``every_n_train_steps`` 0): only on a signal.
         save_on_sigterm: Save when the process gets SIGTERM, before it exits.
         dirpath: Folder of the checkpoint; ``None``: the ``checkpoints`` folder of the run's logs.
     """
 
     CHECKPOINT_NAME_LAST = "last-step"
 
-    def __init__(self, every_n_train_steps: int = 0, save_on_sigterm: bool = True, dirpath: str | None = None) -> None:
+    def __init__(
+        self,
+        every_n_train_steps: int = 0,
+        train_time_interval: timedelta | None = timedelta(minutes=15),
+        save_on_sigterm: bool = True,
+        dirpath: str | None = None,
+    ) -> None:
         if every_n_train_steps < 0:
             raise ValueError(f"every_n_train_steps must not be negative. Got {every_n_train_steps}")
+        if train_time_interval is not None and train_time_interval <= timedelta(0):
+            raise ValueError(f"train_time_interval must be positive. Got {train_time_interval}")
         super().__init__(
             dirpath=dirpath,
             monitor=None,
             save_top_k=0,
             save_last=True,
             every_n_train_steps=every_n_train_steps,
+            # Lightning takes one of the two: a step count given replaces the time.
+            train_time_interval=None if every_n_train_steps else train_time_interval,
             enable_version_counter=False,
         )
         self.save_on_sigterm = save_on_sigterm
         self._requeue = False
         self._requeue_asked_at = -1
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # One per trainer. Lightning's key holds the interval and the step count: a run resumed with others would
+        # not find this callback's state, and would warn about it.
+        return type(self).__qualname__
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

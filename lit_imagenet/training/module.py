@@ -20,6 +20,7 @@ from lit_imagenet.compat import (
     attached_trainer,
     epoch_batches_done,
     metric_defaults,
+    record_cut_epoch_as_unfinished,
     user_inductor_cache_dir,
     writes_log_line,
 )
@@ -366,6 +367,8 @@ class ImageClassifier(pl.LightningModule):
                 "world_size": self.trainer.world_size,
                 "steps_per_epoch": optim.steps_per_epoch(self.trainer),
             }
+            # An epoch cut short by max_steps, max_time or an early stop goes on from its next batch when resumed.
+            record_cut_epoch_as_unfinished(self.trainer, checkpoint)
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
             # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.
