@@ -152,7 +152,8 @@ class StepCheckpoint(ModelCheckpoint):
     Args:
         every_n_train_steps: Save every this many optimizer steps instead of every ``train_time_interval``; 0: by time.
         train_time_interval: Save when this much time has passed since the last save, checked after each optimizer
-            step (``H:MM:SS`` on the command line); ``None`` (with ``every_n_train_steps`` 0): only on a signal.
+            step (on log steps only under DDP; ``H:MM:SS`` on the command line); ``None`` (with
+            ``every_n_train_steps`` 0): only on a signal.
         save_on_sigterm: Save when the process gets SIGTERM, before it exits.
         dirpath: Folder of the checkpoint; ``None``: the ``checkpoints`` folder of the run's logs.
     """
@@ -181,6 +182,7 @@ class StepCheckpoint(ModelCheckpoint):
             enable_version_counter=False,
         )
         self.save_on_sigterm = save_on_sigterm
+        self._by_steps = every_n_train_steps > 0
         self._requeue = False
         self._requeue_asked_at = -1
 
@@ -211,7 +213,9 @@ class StepCheckpoint(ModelCheckpoint):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        # Lightning's clock check broadcasts rank 0's decision, which waits for the GPU under DDP: on log steps only.
+        if self._by_steps or trainer.world_size == 1 or trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         # Once per optimizer step (not between the batches it accumulates), on every process alike.
         if not self._requeue or trainer.global_step == self._requeue_asked_at:
             return
