@@ -5,8 +5,8 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint clean gpu-check
 
-## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough). runs/demo is the demo's own run
-## folder: it is cleared first, so that the demo starts anew each time (train.py refuses to start over a run's checkpoints).
+## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough). runs/demo is the demo's own
+## run folder: it is cleared first, so that each demo starts anew (train.py refuses to start over a run's checkpoints).
 demo: $(VENV)/.installed
 	$(BIN)/python -m lit_imagenet.data.synthetic data/shapes
 	rm -rf runs/demo
