@@ -174,6 +174,12 @@ class ImageNetCLI(LightningCLI):
             # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
             # in host memory until the end. --return_predictions true brings that back.
             config["return_predictions"] = False
+        ckpt_path = config.get("ckpt_path")
+        for writer in (c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)):
+            if writer.output is None and ckpt_path:
+                # Into the run that the checkpoint comes from (its folder, above checkpoints/): predict logs nowhere.
+                folder = Path(ckpt_path).parent
+                writer.output = str((folder.parent if folder.name == "checkpoints" else folder) / "predictions.csv")
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
