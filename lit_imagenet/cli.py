@@ -247,7 +247,7 @@ class ImageNetCLI(LightningCLI):
         log_dir = trainer.log_dir  # a collective under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        lines = [f"Logs: {log_dir}"]
+        lines = [f"Logs: {str(log_dir).rstrip('/')}"]  # no trailing / of an empty version
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "best_model_path", ""):
             score = ckpt.best_model_score
