@@ -204,6 +204,8 @@ class ImageNetCLI(LightningCLI):
                 )
             return
         path = str(config["ckpt_path"])
+        if "://" in path:  # a remote file: Lightning reads it, with no cheap look beforehand
+            return
         epoch, step, hparams = _checkpoint_summary(path)
         problem = _cannot_continue(trainer, self.model, epoch, step, hparams)
         if problem:
