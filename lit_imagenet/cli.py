@@ -174,12 +174,14 @@ class ImageNetCLI(LightningCLI):
             # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
             # in host memory until the end. --return_predictions true brings that back.
             config["return_predictions"] = False
+        # Predict logs nowhere: predictions.csv goes into the run of the checkpoint (the folder above its
+        # checkpoints/), or into --trainer.default_root_dir without one.
         ckpt_path = config.get("ckpt_path")
+        folder = Path(ckpt_path).parent if ckpt_path else Path(self.trainer.default_root_dir)
+        folder = folder.parent if ckpt_path and folder.name == "checkpoints" else folder
         for writer in (c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)):
-            if writer.output is None and ckpt_path:
-                # Into the run that the checkpoint comes from (its folder, above checkpoints/): predict logs nowhere.
-                folder = Path(ckpt_path).parent
-                writer.output = str((folder.parent if folder.name == "checkpoints" else folder) / "predictions.csv")
+            if writer.output is None:
+                writer.output = str(folder / "predictions.csv")
 
     def before_fit(self) -> None:
         config = self.config_init[self.subcommand]
