@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint clean gpu-check
 
-## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough)
+## make demo: install, generate the shapes data, train ResNet-18 on it (CPU is enough). runs/demo is the demo's own
+## run folder: it is cleared first, so that each demo starts anew (train.py refuses to start over a run's checkpoints).
 demo: $(VENV)/.installed
 	$(BIN)/python -m lit_imagenet.data.synthetic data/shapes
+	rm -rf runs/demo
 	$(BIN)/python train.py fit --config configs/demo.yaml --trainer.enable_progress_bar false
 
 ## make test: install with the test extras, run the test suite, TEST_PROCESSES test files at a time: three on two

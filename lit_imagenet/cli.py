@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,11 @@ class ImageNetCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
+        if self.subcommand not in (None, "fit"):
+            # Evaluating or predicting writes no run: no config.yaml, and the checkpoint callbacks, which save
+            # nothing here, need not say that the checkpoint was saved from another folder.
+            self.save_config_callback = None
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
         trainer_config = dict(config.get("trainer") or {})
         amp = config.get("amp")
         if amp is not None and amp.opt_level is not None:
@@ -168,18 +174,49 @@ class ImageNetCLI(LightningCLI):
             # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
             # in host memory until the end. --return_predictions true brings that back.
             config["return_predictions"] = False
+        # Predict logs nowhere: predictions.csv goes into the run of the checkpoint (the folder above its
+        # checkpoints/), or into --trainer.default_root_dir without one.
+        ckpt_path = config.get("ckpt_path")
+        folder = Path(ckpt_path).parent if ckpt_path else Path(self.trainer.default_root_dir)
+        folder = folder.parent if ckpt_path and folder.name == "checkpoints" else folder
+        for writer in (c for c in self.trainer.callbacks if isinstance(c, PredictionWriter)):
+            if writer.output is None:
+                writer.output = str(folder / "predictions.csv")
 
     def before_fit(self) -> None:
-        # Each run logs into a new version folder, where Lightning's "last" finds nothing: look in every version.
         config = self.config_init[self.subcommand]
-        if config.get("ckpt_path") != "last":
+        trainer = self.trainer
+        folders = _checkpoint_folders(trainer)
+        found = [p for p in (find_last_checkpoint(f) for f in folders if os.path.isdir(f)) if p is not None]
+        newest = max(found, key=lambda p: Path(p).stat().st_mtime_ns) if found else None
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path == "last":
+            # "last" is this run's own: the checkpoints of its folder, never another run's.
+            config["ckpt_path"] = newest
+            if newest is None:
+                if trainer.is_global_zero:
+                    print(f"No checkpoint in {folders[0]}: training from the start.", flush=True)
+                return
+        elif ckpt_path is None:
+            if newest is not None:
+                epoch, step, _ = _checkpoint_summary(newest)
+                raise ConfigError(
+                    f"{os.path.dirname(newest)} already holds a run's checkpoint (epoch {epoch}, step {step}): "
+                    "continue it with --ckpt_path last, or start a new run with another --trainer.default_root_dir."
+                )
             return
-        roots = {self.trainer.default_root_dir, *(lg.save_dir for lg in self.trainer.loggers if lg.save_dir)}
-        found = [p for p in (find_last_checkpoint(r) for r in sorted(roots)) if p is not None]
-        if found:
-            config["ckpt_path"] = max(found, key=lambda p: Path(p).stat().st_mtime_ns)
-            if self.trainer.is_global_zero:
-                print(f"Resuming from {config['ckpt_path']}", flush=True)
+        path = str(config["ckpt_path"])
+        if "://" in path:  # a remote file: Lightning reads it, with no cheap look beforehand
+            return
+        epoch, step, hparams = _checkpoint_summary(path)
+        problem = _cannot_continue(trainer, self.model, epoch, step, hparams)
+        if problem:
+            raise ConfigError(f"{path} (epoch {epoch}, step {step}) cannot continue here: {problem}.")
+        # Continued in its own folder, the checkpoint folder is expected to hold files: Lightning's warning says
+        # that this run could overwrite another's.
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        if trainer.is_global_zero:
+            print(f"Resuming from {path} (epoch {epoch}, step {step}).", flush=True)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -193,7 +230,13 @@ class ImageNetCLI(LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self._section(self.config)
-        _log_into_root_dir(config.get("trainer"))
+        trainer_config = config.get("trainer")
+        if trainer_config is not None:
+            if trainer_config.get("default_root_dir") is None:
+                trainer_config.default_root_dir = run_folder(config.get("config"))
+            if self.subcommand in ("validate", "test", "predict"):
+                trainer_config.logger = False  # results go to the console; no new log folder
+        _log_into_root_dir(trainer_config)
         self._model_config = dict(config.get("model") or {})
         data = config.get("data")
         if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
@@ -208,7 +251,7 @@ class ImageNetCLI(LightningCLI):
         log_dir = trainer.log_dir  # a collective under DDP: every rank must ask
         if not trainer.is_global_zero:
             return
-        lines = [f"Logs: {log_dir}"]
+        lines = [f"Logs: {str(log_dir).rstrip('/')}"]  # no trailing / of an empty version
         ckpt = trainer.checkpoint_callback
         if ckpt is not None and getattr(ckpt, "best_model_path", ""):
             score = ckpt.best_model_score
@@ -217,6 +260,52 @@ class ImageNetCLI(LightningCLI):
             if getattr(ckpt, "last_model_path", ""):
                 lines.append(f"Last checkpoint: {ckpt.last_model_path}")
         print("\n".join(lines), flush=True)
+
+
+def run_folder(configs: list[Any] | None) -> str:
+    """The command line's default run folder: ``runs/`` and the name of the first config file, else ``runs/default``."""
+    files = [Path(os.fspath(c)) for c in configs or [] if isinstance(c, (str, os.PathLike))]
+    return os.path.join("runs", files[0].stem if files else "default")
+
+
+def _checkpoint_folders(trainer: Trainer) -> list[str]:
+    """The folders the trainer's checkpoint callbacks save into, as Lightning resolves them at setup."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+        logged = os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name or ""), version)
+    else:
+        logged = trainer.default_root_dir
+    default = os.path.join(logged, "checkpoints")
+    folders = [str(cb.dirpath) if cb.dirpath else default for cb in trainer.checkpoint_callbacks] or [default]
+    return list(dict.fromkeys(folders))
+
+
+def _checkpoint_summary(path: str) -> tuple[int, int, dict[str, Any]]:
+    """A checkpoint's epoch, global step and hyperparameters, read without loading its tensors (memory-mapped)."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any reason a file is no checkpoint
+        raise ConfigError(f"Cannot read checkpoint {path} ({type(err).__name__}: {err}).") from None
+    return int(ckpt.get("epoch", 0)), int(ckpt.get("global_step", 0)), dict(ckpt.get("hyper_parameters") or {})
+
+
+def _cannot_continue(trainer: Trainer, model: Any, epoch: int, step: int, hparams: dict[str, Any]) -> str | None:
+    """Why a checkpoint at ``epoch`` and ``step`` with ``hparams`` cannot continue with this trainer and model."""
+    if trainer.max_epochs not in (None, -1) and trainer.max_epochs <= epoch:
+        return f"--trainer.max_epochs {trainer.max_epochs} ends before its epoch {epoch} (from 0); give more"
+    if trainer.max_steps != -1 and trainer.max_steps <= step:
+        return f"--trainer.max_steps {trainer.max_steps} ends at or before its step {step}; give more"
+    mine = getattr(model, "hparams", {})
+    if "arch" in hparams and "arch" in mine and hparams["arch"] != mine["arch"]:
+        return f"it is a {hparams['arch']}, not --model.arch {mine['arch']}"
+    names, theirs = list(mine.get("class_names") or []), list(hparams.get("class_names") or [])
+    if "num_classes" in hparams and hparams["num_classes"] != mine.get("num_classes", hparams["num_classes"]):
+        return f"it has {hparams['num_classes']} classes, the data {mine['num_classes']}"
+    if names and theirs and names != theirs:
+        differ = next((a, b) for a, b in zip([*theirs, None], [*names, None]) if a != b)
+        return f"its classes differ from the data's (class {differ[0]!r} where the data has {differ[1]!r})"
+    return None
 
 
 def _process_count(trainer_config: dict[str, Any]) -> int:
@@ -350,7 +439,8 @@ def main(
         if problem and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     try:
-        defaults = {"default_root_dir": "runs", "max_epochs": 90, "logger": lazy_instance(RunLogger),
+        # One run, one folder: runs/NAME (run_folder), with its logs and checkpoints/ straight in it.
+        defaults = {"default_root_dir": None, "max_epochs": 90, "logger": lazy_instance(RunLogger, name="", version=""),
                     "callbacks": [EndLaunchedRanks()]}  # fmt: skip
         return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults,
                            save_config_kwargs={"overwrite": True}, args=args, run=run)  # fmt: skip

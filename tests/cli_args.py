@@ -9,18 +9,23 @@ from pathlib import Path
 SMALL_ARCH = "shufflenet_v2_x0_5"
 
 
+def small_args(root: Path, *extra: str, batch_size: int = 8, workers: int = 0, arch: str = "resnet18") -> list[str]:
+    """The arguments of ``fit_args`` without the subcommand and the run's folder."""
+    return [
+        "--data.root", str(root), "--data.batch_size", str(batch_size), "--data.workers", str(workers),
+        "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", arch,
+        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
+        "--trainer.enable_model_summary", "false", *extra,
+    ]  # fmt: skip
+
+
 def fit_args(
     root: Path, out: Path, *extra: str, batch_size: int = 8, workers: int = 0, arch: str = "resnet18"
 ) -> list[str]:
     """``fit`` on CPU at 32x32 with ``arch`` (ResNet-18), logging and checkpointing under ``out``; ``extra`` goes
     last."""
-    return [
-        "fit", "--data.root", str(root), "--data.batch_size", str(batch_size), "--data.workers", str(workers),
-        "--data.crop_size", "32", "--data.val_resize", "36", "--model.arch", arch,
-        "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar", "false",
-        "--trainer.enable_model_summary", "false", "--trainer.default_root_dir", str(out),
-        "--trainer.logger.init_args.save_dir", str(out), *extra,
-    ]  # fmt: skip
+    folders = ["--trainer.default_root_dir", str(out), "--trainer.logger.init_args.save_dir", str(out)]
+    return ["fit", *small_args(root, *folders, *extra, batch_size=batch_size, workers=workers, arch=arch)]
 
 
 def error_lines(err: str) -> list[str]:

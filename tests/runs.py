@@ -135,8 +135,8 @@ def child_pids(parent: int) -> list[int]:
 
 
 def resumed_from(log: str) -> list[str]:
-    """The checkpoints that the runs of a log resumed from (the CLI's ``Resuming from PATH`` lines)."""
-    return re.findall(r"^Resuming from (\S+)$", log, re.MULTILINE)
+    """The checkpoints that the runs of a log resumed from (the CLI's ``Resuming from PATH (epoch E, step S).``)."""
+    return re.findall(r"^Resuming from (\S+) \(epoch \d+, step \d+\)\.$", log, re.MULTILINE)
 
 
 class BackgroundRun:

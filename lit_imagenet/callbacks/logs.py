@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +16,13 @@ from typing_extensions import override
 class RunLogger(CSVLogger):
     """A ``CSVLogger`` that also writes TensorBoard event files into the same ``save_dir/name/version_N`` folder.
 
+    A run continued in its folder appends to its ``metrics.csv``. The command line logs straight into
+    ``--trainer.default_root_dir`` (``name`` and ``version`` empty).
+
     Args:
         save_dir: Folder of the logs. ``None``: ``--trainer.default_root_dir`` on the command line, else ``runs``.
-        name: Sub-folder of the run's versions.
-        version: Version number or folder name; ``None``: the next free ``version_N``.
+        name: Sub-folder of the run's versions; ``""``: none.
+        version: Version number or folder name (``""``: none); ``None``: the next free ``version_N``.
         prefix: Prefix of every metric name.
         flush_logs_every_n_steps: Write ``metrics.csv`` every this many steps.
         tensorboard: Set to ``False`` for the CSV file only.
@@ -37,6 +41,30 @@ class RunLogger(CSVLogger):
         self.tensorboard = tensorboard
         self._tb_prefix = prefix
         self._tb: TensorBoardLogger | None = None
+        self._writer: Any = None
+
+    @property
+    @override
+    def experiment(self) -> Any:
+        """The CSV writer; one made in a folder that already has a ``metrics.csv`` appends to it."""
+        if self._writer is not None or rank_zero_only.rank != 0:
+            return self._writer or super().experiment
+        metrics = Path(self.log_dir) / "metrics.csv"
+        kept = metrics.with_name(".metrics.csv.kept")
+        if metrics.is_file():
+            metrics.replace(kept)  # Lightning's writer deletes the file of a folder it finds in use
+        try:
+            with warnings.catch_warnings():
+                # "Previous log files ... will be deleted": not this one, kept above.
+                warnings.filterwarnings("ignore", message="Experiment logs directory")
+                self._writer = super().experiment
+        finally:
+            if kept.is_file():
+                kept.replace(metrics)
+        if metrics.is_file():
+            with open(metrics, newline="") as f:
+                self._writer.metrics_keys = next(csv.reader(f), [])
+        return self._writer
 
     @property
     def tb(self) -> TensorBoardLogger | None:
