@@ -180,7 +180,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000", arch=SMALL_ARCH)
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    first = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    first = tmp_path / "checkpoints"
     try:
         wait_for_file(proc, first / "last.ckpt", 120)  # the end of epoch 0: the run is past its start-up
         proc.send_signal(signal.SIGTERM)
@@ -197,7 +197,7 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     proc = run_train(args, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Resuming from {first / 'last-step.ckpt'}" in proc.stdout
-    assert _step(tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt") == saved + 2
+    assert _step(tmp_path / "checkpoints" / "last-step.ckpt") == saved + 2
 
 
 def test_step_checkpoint_writes_nothing_at_the_end_of_a_run(shapes_root: Path, tmp_path: Path) -> None:

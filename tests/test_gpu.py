@@ -494,7 +494,7 @@ def test_sigterm_stops_a_cuda_graph_run_with_its_console_lines_and_it_resumes(
     args = fit_args(learnable_root, tmp_path, *common, "--trainer.max_epochs", "1000", batch_size=16)
     proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    checkpoints = tmp_path / "checkpoints"
     try:
         wait_for_file(proc, checkpoints / "last.ckpt", 300)  # epoch 0 ended: compiled, graphs recorded and replayed
         time.sleep(1.0)
@@ -512,5 +512,5 @@ def test_sigterm_stops_a_cuda_graph_run_with_its_console_lines_and_it_resumes(
                               "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path", "last", batch_size=16),
                      tmp_path, env=env)  # fmt: skip
     assert f"Resuming from {checkpoints / 'last-step.ckpt'}" in resumed.stdout
-    last = tmp_path / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt"
+    last = tmp_path / "checkpoints" / "last-step.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == saved + 3

@@ -168,7 +168,7 @@ def test_sigterm_saves_a_step_checkpoint_that_resumes(root: Path, tmp_path: Path
                          "--ckpt_path", "last"))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"Resuming from {saved}" in resumed.stdout
-    final = torch.load(next(tmp_path.rglob("version_1/**/last.ckpt")), map_location="cpu", weights_only=False)
+    final = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["global_step"] == step + 10
 
 
@@ -188,7 +188,7 @@ def test_a_one_gpu_run_resumes_on_two_gpus(root: Path, tmp_path: Path) -> None:
     step = torch.load(ckpt, map_location="cpu", weights_only=False)["global_step"]
     resumed = _run(_args(root, tmp_path, "--trainer.max_epochs", "2", "--ckpt_path", str(ckpt)))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    final = torch.load(next(tmp_path.rglob("version_1/**/last.ckpt")), map_location="cpu", weights_only=False)
+    final = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert final["epoch"] == 1 and final["global_step"] == step + STEPS_PER_EPOCH
 
 

@@ -78,11 +78,13 @@ def test_predictions_with_loader_workers_are_those_without(shapes_root: Path, ch
     assert sorted(rows["3"], key=lambda row: row["path"]) == sorted(rows["0"], key=lambda row: row["path"])
 
 
-def test_predict_writes_into_the_log_folder_by_default(shapes_root: Path, checkpoint: Path, tmp_path: Path) -> None:
+def test_predict_writes_into_the_run_of_its_checkpoint_by_default(
+    shapes_root: Path, checkpoint: Path, tmp_path: Path
+) -> None:
     cli = main(["predict", "--ckpt_path", str(checkpoint), "--data.predict_root", str(shapes_root / "val"),
                 *_common(tmp_path)])  # fmt: skip
     (writer,) = [c for c in cli.trainer.callbacks if isinstance(c, PredictionWriter)]
-    assert writer.path == Path(cli.trainer.log_dir) / "predictions.csv"
+    assert writer.path == checkpoint.parent.parent / "predictions.csv"
     assert len(list(csv.DictReader(open(writer.path)))) == 15
 
 

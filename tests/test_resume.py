@@ -145,15 +145,15 @@ def test_a_run_resumed_from_an_epochs_last_step_resumes_exactly_again(shapes_roo
     cut = tmp_path / "cut"
     main(fit_args(shapes_root, cut, *common, "--trainer.max_steps", "12",
                   "--step_checkpoint.every_n_train_steps", "12"))  # fmt: skip
-    last_of_epoch = cut / "lightning_logs" / "version_0" / "checkpoints" / "last-step.ckpt"
+    last_of_epoch = cut / "checkpoints" / "last-step.ckpt"
     assert global_step(last_of_epoch) == 12
     main(fit_args(shapes_root, cut, *common, "--trainer.max_steps", "19", "--step_checkpoint.every_n_train_steps", "1",
                   "--ckpt_path", str(last_of_epoch)))  # fmt: skip
-    mid_epoch = cut / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt"
+    mid_epoch = cut / "checkpoints" / "last-step.ckpt"
     assert global_step(mid_epoch) == 19
     main(fit_args(shapes_root, cut, *common, "--step_checkpoint.every_n_train_steps", "1", "--ckpt_path",
                   str(mid_epoch)))  # fmt: skip
-    final = cut / "lightning_logs" / "version_2" / "checkpoints" / "last-step.ckpt"
+    final = cut / "checkpoints" / "last-step.ckpt"
     assert global_step(final) == 24
     different = differing(whole, final)
     assert not different, different[:5]

@@ -229,7 +229,7 @@ def test_the_job_runs_in_slurms_environment(job: Job) -> None:
 @pytest.mark.slurm
 def test_the_signal_before_the_time_limit_saves_and_requeues_the_job(job: Job) -> None:
     assert f"warning signal {int(signal.SIGUSR1)} to JobId={job.id}" in job.controller_log  # from --signal
-    saved = job.out / "lightning_logs" / "version_0" / "checkpoints" / "last-step.ckpt"
+    saved = job.out / "checkpoints" / "last-step.ckpt"
     assert f"Requeue signal: saved {saved} at step {job.signal_step}." in job.log, job.log[-3000:]
     assert f"Requeued SLURM job {job.id};" in job.log
     assert job.restarts_after_signal == 1
@@ -238,7 +238,7 @@ def test_the_signal_before_the_time_limit_saves_and_requeues_the_job(job: Job) -
 
 @pytest.mark.slurm
 def test_the_requeued_job_resumes_where_the_signal_stopped_it(job: Job) -> None:
-    saved = job.out / "lightning_logs" / "version_0" / "checkpoints" / "last-step.ckpt"
+    saved = job.out / "checkpoints" / "last-step.ckpt"
     assert resumed_from(job.log) == [str(saved)], job.log[-3000:]
     # its own step checkpoints carry on from there
     assert job.signal_step < job.cancel_step < STEPS
@@ -247,7 +247,7 @@ def test_the_requeued_job_resumes_where_the_signal_stopped_it(job: Job) -> None:
 @pytest.mark.slurm
 def test_scancel_saves_a_checkpoint_that_the_job_script_resumes_from(job: Job) -> None:
     assert job.cancelled_state == "CANCELLED"
-    saved = job.out / "lightning_logs" / "version_1" / "checkpoints" / "last-step.ckpt"
+    saved = job.out / "checkpoints" / "last-step.ckpt"
     assert f"SIGTERM: saved {saved} at step {job.cancel_step}." in job.log, job.log[-3000:]
     assert "Stopped by SIGTERM" in job.log
     # Every rank stops at the check after the signal; when that is the end of an epoch, the epoch's last.ckpt,

@@ -67,7 +67,7 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_checkpoi
     assert f"failed (exitcode: -{int(signal.SIGKILL)}) local_rank: 0 (pid: {worker})" in text[1], text[1][-3000:]
     # both agents started a second group: two processes, twice
     assert sum(t.count("Initializing distributed: GLOBAL_RANK") for t in text) == 4
-    resumed = out / "lightning_logs" / "version_0" / "checkpoints" / "last-step.ckpt"
+    resumed = out / "checkpoints" / "last-step.ckpt"
     assert resumed_from(text[0] + text[1]) == [str(resumed)]
     assert global_step(resumed) % 12 != 0  # mid-epoch
     final = final_checkpoint(out)

@@ -24,8 +24,9 @@ class PredictionWriter(BasePredictionWriter):
     Under DDP rank 0 gathers every rank's rows and writes the one file.
 
     Args:
-        output: The CSV file to write. ``None``: ``predictions.csv`` in the trainer's log folder,
-            or in the working directory when there is no logger.
+        output: The CSV file to write. ``None``: ``predictions.csv`` in the run folder of ``--ckpt_path`` (else
+            ``--trainer.default_root_dir``) on the command line; in a notebook, the trainer's log folder, or the
+            working directory when there is no logger.
         top_k: How many of the most probable classes to write per image.
     """
 
