@@ -18,7 +18,6 @@ import torch
 import yaml
 from jsonargparse import Namespace, lazy_instance
 from pytorch_lightning import LightningDataModule, Trainer
-from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.exceptions import SIGTERMException
@@ -26,6 +25,7 @@ from typing_extensions import override
 
 from lit_imagenet.callbacks.checkpoints import (
     BEST_CHECKPOINT,
+    BestCheckpoint,
     CheckpointWriteError,
     StepCheckpoint,
     find_last_checkpoint,
@@ -80,19 +80,27 @@ LAUNCHED_RANKS_GRACE = 10.0
 
 
 class EndLaunchedRanks(pl.Callback):
-    """After an error of this rank, ends the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
-    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min)."""
+    """Ends, after an error of this rank, the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
+    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min).
+
+    ``on_exception`` only notes them: the other callbacks' ``on_exception`` (a checkpoint saved by every rank) must run
+    first; ``main`` calls ``end`` once the error has left the trainer.
+    """
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt):
-            return
-        procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+        if not isinstance(exception, KeyboardInterrupt):
+            self.procs = [p for p in getattr(trainer.strategy.launcher, "procs", None) or [] if p.poll() is None]
+
+    def end(self) -> None:
         deadline = time.monotonic() + LAUNCHED_RANKS_GRACE
-        for proc in procs:
+        for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        left = [proc for proc in procs if proc.poll() is None]
+        left = [proc for proc in self.procs if proc.poll() is None]
         for proc in left:
             proc.kill()
             proc.wait()
@@ -124,7 +132,7 @@ class ImageNetCLI(LightningCLI):
         )
         parser.link_arguments("data.channels_last", "model.channels_last")
         # Always-present callbacks, each configurable under its own key (--checkpoint.*, --prefetch.*).
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
         parser.set_defaults({f"checkpoint.{key}": value for key, value in BEST_CHECKPOINT.items()})
         parser.add_lightning_class_args(StepCheckpoint, "step_checkpoint")
         parser.add_lightning_class_args(SigtermConsensus, "sigterm")
@@ -438,10 +446,11 @@ def main(
         problem = torchrun_restart_problem()
         if problem and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
+    ender = EndLaunchedRanks()
     try:
         # One run, one folder: runs/NAME (run_folder), with its logs and checkpoints/ straight in it.
         defaults = {"default_root_dir": None, "max_epochs": 90, "logger": lazy_instance(RunLogger, name="", version=""),
-                    "callbacks": [EndLaunchedRanks()]}  # fmt: skip
+                    "callbacks": [ender]}  # fmt: skip
         return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults,
                            save_config_kwargs={"overwrite": True}, args=args, run=run)  # fmt: skip
     except UserError as err:
@@ -457,6 +466,7 @@ def main(
         print(f"error: {err.strerror if isinstance(err, CheckpointWriteError) else err}", file=sys.stderr, flush=True)
         sys.exit(1)
     finally:
+        ender.end()
         if run and torch.distributed.is_available() and torch.distributed.is_initialized():
             # Left to interpreter shutdown, the process group's threads can abort the process, and the exit
             # status would no longer say whether the run finished.

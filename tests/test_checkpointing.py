@@ -328,3 +328,13 @@ def test_step_checkpoints_are_saved_every_15_minutes_unless_told_otherwise(shape
     assert interval(*recipe, "--step_checkpoint.train_time_interval", "1:00:00") == timedelta(hours=1)
     with pytest.raises(ValueError, match="train_time_interval must be positive"):
         StepCheckpoint(train_time_interval=timedelta(0))
+
+
+def test_last_follows_every_epoch_when_the_best_does_not_improve(shapes_root: Path, tmp_path: Path) -> None:
+    # lr 0: the weights and so val/top1 never change, and only epoch 0 makes a best checkpoint
+    main(_fit_args(shapes_root, tmp_path, "--model.lr", "0", "--trainer.max_epochs", "3", "--curves.enabled", "false",
+                   arch=SMALL_ARCH))  # fmt: skip
+    best = [p for p in (tmp_path / "checkpoints").glob("epoch*.ckpt")]
+    assert [p.name.startswith("epoch000") for p in best] == [True]
+    last = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["epoch"] == 2 and last["global_step"] == 3 * _step(best[0])

@@ -95,8 +95,8 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step_and_resumes(shape
 
 
 @pytest.mark.timeout(300)
-def test_two_processes_predict_into_the_log_folder(shapes_root: Path, tmp_path: Path) -> None:
-    """The default CSV path is the trainer's log folder, which rank 0 broadcasts: every rank must ask for it."""
+def test_two_processes_predict_into_the_run_of_the_checkpoint(shapes_root: Path, tmp_path: Path) -> None:
+    """The default CSV path is the run folder of the checkpoint: every rank writes its share there, once."""
     import csv
 
     fit = run_train(fit_args(shapes_root, tmp_path / "fit", "--trainer.max_epochs", "1", arch=SMALL_ARCH))
@@ -107,7 +107,8 @@ def test_two_processes_predict_into_the_log_folder(shapes_root: Path, tmp_path: 
                     arch=SMALL_ARCH)[1:]  # fmt: skip
     done = run_train(["predict", *[a for a in args if a not in ("--data.root", str(shapes_root))]])
     assert done.returncode == 0, done.stderr[-3000:]
-    (written,) = (tmp_path / "predict").rglob("predictions.csv")
+    (written,) = tmp_path.rglob("predictions.csv")
+    assert written == tmp_path / "fit" / "predictions.csv"
     rows = list(csv.DictReader(open(written)))
     assert sorted(Path(r["path"]) for r in rows) == sorted((shapes_root / "val").rglob("*.jpg"))
 

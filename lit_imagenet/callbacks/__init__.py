@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import ModelCheckpoint
 
-from lit_imagenet.callbacks.checkpoints import BEST_CHECKPOINT, AtomicCheckpoints, StepCheckpoint
+from lit_imagenet.callbacks.checkpoints import BEST_CHECKPOINT, AtomicCheckpoints, BestCheckpoint, StepCheckpoint
 from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
 from lit_imagenet.callbacks.guard import NonFiniteGuard
 from lit_imagenet.callbacks.logs import RunLogger, TrainingCurves
@@ -26,7 +25,7 @@ def default_callbacks(
         max_consecutive_non_finite: Consecutive NaN or infinite losses that stop the run.
     """
     return [
-        ModelCheckpoint(**BEST_CHECKPOINT),
+        BestCheckpoint(**BEST_CHECKPOINT),
         StepCheckpoint(every_n_train_steps),
         AtomicCheckpoints(),
         SigtermConsensus(),

@@ -141,6 +141,21 @@ class AtomicCheckpoints(pl.Callback):
         use_atomic_checkpoint_io(trainer)
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` (the best by ``monitor``, and ``last.ckpt``), whose ``last.ckpt`` is written
+    at the end of every training epoch, also when the best did not improve: Lightning 2.6 writes it only along with a
+    new best, and a resume from a stale ``last.ckpt`` would train an epoch again."""
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_end(trainer, pl_module)  # after the epoch's validation, wherever Lightning saves
+        if not self.save_last or trainer.sanity_checking or trainer.fast_dev_run:
+            return
+        saved = compat.last_checkpoint_saved(self)
+        if saved is None or saved[1] != trainer.global_step:
+            compat.save_last_checkpoint(self, trainer)
+
+
 class StepCheckpoint(ModelCheckpoint):
     """Saves ``last-step.ckpt`` every ``train_time_interval`` of training (or every ``every_n_train_steps`` optimizer
     steps), on SIGTERM and on SLURM's requeue signal.
