@@ -1,15 +1,10 @@
-"""Batches that reach the GPU already normalised, one step ahead of the compute.
-
-The idea of NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers collate uint8
-images; the next batch is copied to the GPU and normalised there on a side stream while the current one trains;
-the hand-over makes the training stream wait for the side stream and records the tensors on it. On anything but a
-CUDA device ``PrefetchLoader`` iterates like a plain ``DataLoader`` and the model normalises the uint8 batch.
-"""
+"""Batches copied to the GPU and normalised on a side stream one step ahead of the compute (apex's
+``data_prefetcher``). On anything but CUDA, ``PrefetchLoader`` iterates like a plain ``DataLoader``."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,40 +20,31 @@ from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def _map(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
+    """``fn`` applied to each tensor of a (nested) list or tuple; anything else is returned as is."""
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        return type(batch)(_map(b, fn) for b in batch)
     return batch
 
 
 def _pinned(batch: Any) -> Any:
-    """``batch`` with its tensors in page-locked memory (those already there are kept, not copied)."""
-    if isinstance(batch, Tensor):
-        return batch if batch.is_pinned() else batch.pin_memory()
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pinned(b) for b in batch)
-    if hasattr(batch, "pin_memory"):
+    if not isinstance(batch, (Tensor, list, tuple)) and hasattr(batch, "pin_memory"):
         return batch.pin_memory()  # an EncodedBatch
-    return batch
+    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory())
 
 
-def _record(batch: Any, stream: torch.cuda.Stream) -> None:
-    if isinstance(batch, Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, (list, tuple)):
-        for b in batch:
-            _record(b, stream)
+def _to_device(batch: Any, device: torch.device) -> Any:
+    return _map(batch, lambda t: t.to(device, non_blocking=True))
 
 
 class CUDAPrefetcher:
-    """Iterates ``source`` ahead of the training loop, copying and normalising each batch on a side stream.
+    """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
 
-    A batch is a list or tuple whose first element is a uint8 image tensor; its tensors go to ``device`` and its
-    images are normalised to float32, one step ahead. A batch with a ``decode(device)`` method (an ``EncodedBatch``
-    for nvJPEG), and with ``pin`` every batch, is pinned, copied and decoded in a thread of its own on a stream of
-    its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode blocks its calling thread until the GPU is done.
+    A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
+    copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode
+    blocks its calling thread until the GPU is done.
     """
 
     def __init__(
@@ -142,10 +128,10 @@ class CUDAPrefetcher:
         current = torch.cuda.current_stream(self.device)
         if done is None:
             current.wait_stream(self.stream)
-            _record(batch, current)
         else:
             current.wait_event(done)
-            _record(batch, current)
+        _map(batch, lambda t: t.record_stream(current))
+        if done is not None:
             batch = self._normalized(batch)  # a decoded batch, on the training stream: one small kernel
         self._preload()
         return batch
@@ -155,15 +141,12 @@ class PrefetchLoader(DataLoader):
     """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
 
     On CUDA, ``pin_memory=True`` is left to the prefetcher, which pins only the batches it is about to copy
-    (``pins_in_prefetcher``), where ``DataLoader``'s pin thread would pin every batch the workers hand over.
+    (``pins_in_prefetcher``), not every batch the workers hand over.
 
     Args:
-        *args: Passed to ``DataLoader``.
         device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
-        mean: Per-channel mean for normalisation on the GPU.
-        std: Per-channel standard deviation for normalisation on the GPU.
-        decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``, which checks it).
-        **kwargs: Passed to ``DataLoader``.
+        mean, std: Per-channel constants of the normalisation on the GPU.
+        decode_ahead: Encoded batches queued for decoding on the GPU.
     """
 
     def __init__(
@@ -189,8 +172,7 @@ class PrefetchLoader(DataLoader):
         return self.device is not None and self.device.type == "cuda"
 
     def stop_workers(self) -> None:
-        """Stops the workers of a pass that ended before its last batch (``limit_val_batches``, the sanity check),
-        unless they are persistent."""
+        """Stops the non-persistent workers of a pass that ended before its last batch (``limit_val_batches``)."""
         source, self._pass_workers = self._pass_workers, None
         if source is not None:
             stop_workers(source)
@@ -205,8 +187,7 @@ class PrefetchLoader(DataLoader):
             self.sampler.seed = int(state_dict["seed"])
 
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
-        """Yields the pass's batches; at the last one (Lightning asks for no more), stops the workers of a pass that
-        does not keep them (evaluation's, by default), which would otherwise hold their memory until the next pass."""
+        """Yields the pass's batches, stopping its workers at the last one (they would hold memory)."""
         total = len(self)
         for count, batch in enumerate(source, 1):
             if count == total:
@@ -233,9 +214,8 @@ class PrefetchLoader(DataLoader):
 class CUDAPrefetch(pl.Callback):
     """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
 
-    Lightning creates the loaders before any epoch-start hook, so the device is handed to the data module (one
-    with a ``prefetch_device`` attribute) in ``setup``. At the end of each evaluation it stops that pass's workers
-    unless they are persistent. ``ImageClassifier`` attaches it; one given to the Trainer takes its place.
+    The device goes to the data module's ``prefetch_device`` in ``setup``, before Lightning creates the loaders;
+    each evaluation's non-persistent workers stop at its end. ``ImageClassifier`` attaches one unless given one.
 
     Args:
         enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
@@ -252,8 +232,8 @@ class CUDAPrefetch(pl.Callback):
         device = trainer.strategy.root_device
         datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
 
-    @classmethod
-    def _stop_workers(cls, loaders: Any) -> None:
+    @staticmethod
+    def _stop_workers(loaders: Any) -> None:
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             if isinstance(loader, PrefetchLoader):
                 loader.stop_workers()

@@ -20,13 +20,8 @@ def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
 
 
 class TopKAccuracy(MeanMetric):
-    """The fraction of samples whose label is among the ``k`` highest logits, with no host-device synchronisation.
-
-    Its state is a sum and a count, so it is exact across ranks; ``MulticlassAccuracy`` reads the GPU per update.
-
-    Args:
-        k: How many of the highest logits count as a hit (capped at the number of classes).
-    """
+    """The fraction of samples whose label is among the ``k`` highest logits: a sum and a count, exact across ranks,
+    with no host-device synchronisation (``MulticlassAccuracy`` reads the GPU per update)."""
 
     def __init__(self, k: int) -> None:
         super().__init__(nan_strategy="disable")

@@ -1,8 +1,4 @@
-"""torchvision classifiers by name, with weights from torchvision or a local file, split into head and backbone.
-
-A local file may be a state dict, a checkpoint of this project or of NVIDIA apex's ImageNet example; it is
-read with ``torch.load(weights_only=True)``. A head with another number of classes is replaced by a new one.
-"""
+"""torchvision classifiers by name, with weights from torchvision or a local file, split into head and backbone."""
 
 from __future__ import annotations
 
@@ -52,21 +48,17 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
         raise ValueError(f"{source} holds no state dict of tensors; give a state dict or a checkpoint.")
     state: dict[str, Tensor] = {}
     for key, value in obj.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, stripped = key[len(prefix) :], True
+        while key.startswith(_PREFIXES):
+            key = key.partition(".")[2]
         state[key] = value
     return state
 
 
 def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
-    """Loads a local weights file into ``model``; returns the keys left at their initial values.
+    """Loads a state dict or checkpoint file into ``model``; returns the head's keys left out for their shape.
 
-    Only the classifier head may be left out (when its shape differs); anything else that does
-    not fit is an error that names the keys.
+    Raises:
+        ValueError: Anything else does not fit; the message names the keys.
     """
     path = Path(path)
     if not path.is_file():
@@ -147,11 +139,7 @@ def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter
 
 
 def set_backbone_frozen(network: nn.Module, head_name: str, frozen: bool, training: bool) -> None:
-    """Stops (or restarts) training of everything but the classifier head.
-
-    Frozen parameters get no gradients and the batch norm layers run in eval mode, keeping their statistics;
-    unfrozen, they follow ``training``.
-    """
+    """Stops (or restarts) training of all but the head: no gradients, batch norms in eval mode (else ``training``)."""
     for p in backbone_parameters(network, head_name):
         p.requires_grad_(not frozen)
     for name, m in network.named_modules():
