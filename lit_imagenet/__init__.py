@@ -1,7 +1,6 @@
 """lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning.
 
-The package's folders are its layers, each importing only from those below it
-(``tests/test_layout.py`` checks it)::
+The package's layers, each importing only from those below it (``tests/test_layout.py`` checks it)::
 
     cli, export        the command lines: train.py, python -m lit_imagenet.export
     callbacks/         what watches and keeps a run: checkpoints, pre-emption, guard, console, logs

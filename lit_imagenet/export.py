@@ -1,9 +1,4 @@
-"""``python -m lit_imagenet.export CHECKPOINT OUT_DIR``: a trained classifier for use without this project.
-
-Writes ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a ``torch.export`` program, any batch
-size) and ``<arch>.json`` (classes, input size, mean and std). Both take float NCHW images normalised with the
-ImageNet mean and std, and return logits.
-"""
+"""``python -m lit_imagenet.export CHECKPOINT OUT_DIR``: a trained classifier for use without this project."""
 
 from __future__ import annotations
 
@@ -32,7 +27,8 @@ def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
 
 
 def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[str, Path]:
-    """Writes the network of a checkpoint as a plain torchvision state dict and as a torch.export program.
+    """Writes a checkpoint's network as ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a
+    ``torch.export`` program, any batch size) and ``<arch>.json`` (classes, input size, mean and std).
 
     Args:
         checkpoint_path: A ``.ckpt`` file written by ``train.py fit``.

@@ -13,16 +13,11 @@ from typing_extensions import override
 
 
 class Profile(pl.Callback):
-    """The reference's ``--prof N``: profile ``steps`` training batches from batch ``start_step``, then stop.
+    """Profiles ``steps`` training batches from batch ``start_step`` (-1: off), then ends the run.
 
-    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs
-    over the window (``nsys profile --capture-range=cudaProfilerApi``). With ``torch_trace`` the PyTorch
-    profiler records the window to ``trace.json`` in the log folder. The run ends after the window.
-
-    Args:
-        start_step: First profiled batch of the run (from 0); -1 turns profiling off.
-        steps: Number of profiled batches.
-        torch_trace: Also record a PyTorch profiler trace of the window.
+    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs over the
+    window (``nsys profile --capture-range=cudaProfilerApi``). ``torch_trace``: the PyTorch profiler also records the
+    window to ``trace.json`` in the log folder.
     """
 
     def __init__(self, start_step: int = -1, steps: int = 10, torch_trace: bool = False) -> None:
@@ -122,9 +117,8 @@ class Profile(pl.Callback):
             self._profiler.stop()
             folder = Path(trainer.log_dir or trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            self.trace_path = folder / (
-                f"trace-rank{trainer.global_rank}.json" if trainer.world_size > 1 else "trace.json"
-            )
+            name = f"trace-rank{trainer.global_rank}.json" if trainer.world_size > 1 else "trace.json"
+            self.trace_path = folder / name
             self._profiler.export_chrome_trace(str(self.trace_path))
             self._profiler = None
             rank_zero_info(f"Profiler trace: {self.trace_path}")
