@@ -20,11 +20,9 @@ class NonFiniteLossError(RuntimeError):
 
 
 class NonFiniteGuard(pl.Callback):
-    """Stops the run, on every rank together, when the loss has been NaN or infinite for ``max_consecutive`` batches.
-
-    The count is read back a check later (``DelayedMax``), so the run stops up to twice ``check_every_n_steps``
-    (``None``: Lightning's log steps) batches after the limit. The error names the newest checkpoint before it.
-    """
+    """Stops the run, on every rank together, when the loss has been NaN or infinite for ``max_consecutive`` batches:
+    up to twice ``check_every_n_steps`` (``None``: Lightning's log steps) batches later, since the count is read back a
+    check later (``DelayedMax``). The error names the newest checkpoint before the bad run."""
 
     def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
         if max_consecutive < 1:

@@ -13,12 +13,9 @@ from typing_extensions import override
 
 
 class Profile(pl.Callback):
-    """Profiles ``steps`` training batches from batch ``start_step`` (-1: off), then ends the run.
-
-    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs over the
-    window (``nsys profile --capture-range=cudaProfilerApi``). ``torch_trace``: the PyTorch profiler also records the
-    window to ``trace.json`` in the log folder.
-    """
+    """Profiles ``steps`` training batches from batch ``start_step`` (-1: off), then ends the run. On CUDA each batch,
+    forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs over the window (``nsys profile
+    --capture-range=cudaProfilerApi``); ``torch_trace`` also records it to ``trace.json`` in the log folder."""
 
     def __init__(self, start_step: int = -1, steps: int = 10, torch_trace: bool = False) -> None:
         if steps < 1:

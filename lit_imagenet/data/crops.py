@@ -27,11 +27,9 @@ class CropBox(NamedTuple):
 def crop_draws(
     seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
 ) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64).
-
-    Returns a float64 ``(N, 23)`` array: ten area fractions in ``scale``, ten aspect ratios (width / height) drawn
-    log-uniformly in ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5).
-    """
+    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64): a float64
+    ``(N, 23)`` array of ten area fractions in ``scale``, ten aspect ratios (width / height) drawn log-uniformly in
+    ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5)."""
     seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
     steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):  # SplitMix64: wrapping 64-bit arithmetic is the point

@@ -21,7 +21,6 @@ from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normaliz
 
 
 def _map(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
-    """``fn`` applied to each tensor of a (nested) list or tuple; anything else is returned as is."""
     if isinstance(batch, Tensor):
         return fn(batch)
     if isinstance(batch, (list, tuple)):
@@ -41,11 +40,9 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 
 class CUDAPrefetcher:
     """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
-
     A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
     copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode
-    blocks its calling thread until the GPU is done.
-    """
+    blocks its calling thread until the GPU is done."""
 
     def __init__(
         self,
@@ -138,16 +135,9 @@ class CUDAPrefetcher:
 
 
 class PrefetchLoader(DataLoader):
-    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
-
-    On CUDA, ``pin_memory=True`` is left to the prefetcher, which pins only the batches it is about to copy
-    (``pins_in_prefetcher``), not every batch the workers hand over.
-
-    Args:
-        device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
-        mean, std: Per-channel constants of the normalisation on the GPU.
-        decode_ahead: Encoded batches queued for decoding on the GPU.
-    """
+    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher`` (``decode_ahead``,
+    normalising with ``mean`` and ``std``); any other ``device`` iterates like a plain ``DataLoader``. On CUDA,
+    ``pin_memory=True`` is left to the prefetcher (``pins_in_prefetcher``), which pins only the batches it copies."""
 
     def __init__(
         self,
@@ -212,25 +202,18 @@ class PrefetchLoader(DataLoader):
 
 
 class CUDAPrefetch(pl.Callback):
-    """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
-
-    The device goes to the data module's ``prefetch_device`` in ``setup``, before Lightning creates the loaders;
-    each evaluation's non-persistent workers stop at its end. ``ImageClassifier`` attaches one unless given one.
-
-    Args:
-        enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
-    """
+    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``: the device
+    goes to the data module's ``prefetch_device`` in ``setup``, before Lightning creates the loaders; each evaluation's
+    non-persistent workers stop at its end. ``ImageClassifier`` attaches one unless given one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "prefetch_device"):
-            return
-        device = trainer.strategy.root_device
-        datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
+        if hasattr(trainer.datamodule, "prefetch_device"):  # None has none
+            device = trainer.strategy.root_device
+            trainer.datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
 
     @staticmethod
     def _stop_workers(loaders: Any) -> None:
@@ -252,6 +235,5 @@ class CUDAPrefetch(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        datamodule = trainer.datamodule
-        if datamodule is not None and hasattr(datamodule, "prefetch_device"):
-            datamodule.prefetch_device = None
+        if hasattr(trainer.datamodule, "prefetch_device"):
+            trainer.datamodule.prefetch_device = None

@@ -58,9 +58,7 @@ class TrainCrop:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale})"
 
 
-def train_transform(crop_size: int, crop_scale: tuple[float, float]) -> TrainCrop:
-    """The training crop and flip (``TrainCrop``)."""
-    return TrainCrop(crop_size, crop_scale)
+train_transform = TrainCrop  # (crop_size, crop_scale): the training crop and flip
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:

@@ -22,15 +22,11 @@ _MARKER = ".complete.json"
 
 
 def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
-    if kind == "square":
-        pts = [(math.cos(a), math.sin(a)) for a in (math.pi / 4 + k * math.pi / 2 for k in range(4))]
-    elif kind == "triangle":
-        pts = [(math.cos(a), math.sin(a)) for a in (-math.pi / 2 + k * 2 * math.pi / 3 for k in range(3))]
-    elif kind == "star":
-        pts = [
-            ((1.0 if k % 2 == 0 else 0.42) * math.cos(a), (1.0 if k % 2 == 0 else 0.42) * math.sin(a))
-            for k, a in enumerate(-math.pi / 2 + k * math.pi / 5 for k in range(10))
-        ]
+    if kind in ("square", "triangle", "star"):  # corners on a circle; the star's odd ones nearer the centre
+        n, start = {"square": (4, math.pi / 4), "triangle": (3, -math.pi / 2), "star": (10, -math.pi / 2)}[kind]
+        radii = [0.42 if kind == "star" and k % 2 else 1.0 for k in range(n)]
+        angles = [start + k * 2 * math.pi / n for k in range(n)]
+        pts = [(rad * math.cos(a), rad * math.sin(a)) for rad, a in zip(radii, angles)]
     elif kind == "cross":
         w = 0.33
         pts = [(w, 1), (w, w), (1, w), (1, -w), (w, -w), (w, -1)]

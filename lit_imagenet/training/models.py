@@ -56,19 +56,14 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
 
 def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     """Loads a state dict or checkpoint file into ``model``; returns the head's keys left out for their shape.
-
-    Raises:
-        ValueError: Anything else does not fit; the message names the keys.
-    """
+    Anything else that does not fit raises ``ValueError`` naming the keys."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Weights file {path} does not exist; give a torchvision weights name or a file path.")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ValueError(
-            f"Cannot load weights file {path} safely ({err}); it must be a PyTorch file of tensors."
-        ) from None
+        raise ValueError(f"Cannot load weights file {path} safely ({err}); it must be a file of tensors.") from None
     state = extract_state_dict(obj, str(path))
     own = model.state_dict()
     head = classifier_name(model)
@@ -96,13 +91,8 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
 
 
 def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.Module:
-    """A torchvision classifier with ``num_classes`` outputs.
-
-    Args:
-        arch: A torchvision architecture name, such as ``resnet50``.
-        num_classes: Number of output classes.
-        weights: ``None`` for random initialisation; a torchvision weights name (``IMAGENET1K_V2``,
-            ``DEFAULT`` or ``ResNet50_Weights.IMAGENET1K_V2``); or the path of a local file.
+    """The torchvision classifier ``arch`` (``resnet50``) with ``num_classes`` outputs and ``weights``: ``None``
+    (random), a torchvision weights name (``IMAGENET1K_V2``, ``DEFAULT``, ``ResNet50_Weights.IMAGENET1K_V2``) or a file.
     """
     names = sorted(torchvision.models.list_models(module=torchvision.models))
     if arch not in names:
@@ -120,9 +110,7 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
         tv_weights = enum[name] if name != "DEFAULT" else enum.DEFAULT
     except (KeyError, ValueError):
         choices = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(arch))])
-        raise ValueError(
-            f"{arch} has no torchvision weights {weights!r}; choose one of {choices}, or a file path."
-        ) from None
+        raise ValueError(f"{arch} has no torchvision weights {weights!r}; use one of {choices} or a path.") from None
     model = torchvision.models.get_model(arch, weights=tv_weights)
     return replace_head(model, num_classes)
 

@@ -52,12 +52,7 @@ def build_sgd(
 
 
 def make_schedule(
-    kind: str,
-    steps_per_epoch: int,
-    max_epochs: int | None,
-    warmup_epochs: int,
-    milestones: Sequence[int],
-    gamma: float,
+    kind: str, steps_per_epoch: int, max_epochs: int | None, warmup_epochs: int, milestones: Sequence[int], gamma: float
 ) -> WarmupMultiStep | WarmupCosine:
     """The rate multiplier per step: ``step`` (warmup, then ``gamma`` at each milestone) or ``cosine``."""
     if kind == "cosine":

@@ -35,11 +35,9 @@ def read_host_copy(copy: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
 
 
 class DelayedMax:
-    """A maximum over all ranks of ``size`` int64 figures on ``device``, started at one check and read at the next.
-
-    Its two slots live as long as it does, so no queued copy or collective writes into memory handed elsewhere.
-    Every rank must start checks at the same batches.
-    """
+    """A maximum over all ranks of ``size`` int64 figures on ``device``, started at one check and read at the next
+    (every rank starts checks at the same batches). Its two slots live as long as it does, so no queued copy or
+    collective writes into memory handed elsewhere."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         self._device = torch.zeros((2, size), dtype=torch.int64, device=device)
@@ -64,9 +62,7 @@ class DelayedMax:
     def read(self, slot: int) -> list[int]:
         """The maximum started in ``slot``, waiting for the GPU only if it has not written it yet."""
         event, self._events[slot] = self._events[slot], None
-        if event is not None:
-            event.synchronize()
-        return [int(v) for v in self._host[slot].tolist()]
+        return [int(v) for v in read_host_copy((self._host[slot], event)).tolist()]
 
     def step(self, figures: Tensor) -> list[int] | None:
         """Starts the maximum of ``figures``; returns the one the previous ``step`` started (``None`` at the first)."""

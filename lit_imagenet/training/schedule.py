@@ -14,12 +14,9 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
 
 
 class WarmupMultiStep:
-    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step.
-
-    The ``k``-th step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times
-    ``(1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``.
-    A plain object, so ``LambdaLR`` saves and restores it with its state dict.
-    """
+    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step. The ``k``-th
+    step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times ``(1 + k + e * steps_per_epoch) /
+    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``. A plain object, so ``LambdaLR`` saves it."""
 
     def __init__(
         self, steps_per_epoch: int, warmup_epochs: int = 5, milestones: Sequence[int] = (30, 60, 80), gamma: float = 0.1
@@ -53,9 +50,7 @@ class WarmupCosine:
         if max_epochs < 1:
             raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
-            raise ValueError(
-                f"warmup_epochs must be at least 0 and less than max_epochs ({max_epochs}). Got {warmup_epochs}"
-            )
+            raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
         self.steps_per_epoch = int(steps_per_epoch)
         self.max_epochs = int(max_epochs)
         self.warmup_epochs = int(warmup_epochs)
