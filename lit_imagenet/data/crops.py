@@ -97,9 +97,7 @@ def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray
 
 def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
     """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_long = int(resize * long / short)
-    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
+    new_w, new_h = eval_geometry(np.array([[height, width]]), resize, crop)[0][0].tolist()
     scale_h, scale_w = height / new_h, width / new_w
     src_top, src_left = round(round((new_h - crop) / 2.0) * scale_h), round(round((new_w - crop) / 2.0) * scale_w)
     src_h = max(1, min(height - src_top, int(round(crop * scale_h))))

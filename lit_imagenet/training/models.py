@@ -81,11 +81,8 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in skipped]
     if missing or unexpected:
-        detail = [
-            f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-            for kind, keys in (("missing", missing), ("unexpected", unexpected))
-            if keys
-        ]
+        pairs = (("missing", missing), ("unexpected", unexpected))
+        detail = [f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}" for kind, keys in pairs if keys]
         raise ValueError(f"{path} does not fit {type(model).__name__} ({'; '.join(detail)}); check --model.arch.")
     return skipped
 
