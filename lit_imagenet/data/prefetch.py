@@ -63,7 +63,7 @@ class CUDAPrefetcher:
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
-        self._pending: deque[Future[tuple[Any, torch.cuda.Event | None]]] = deque()
+        self._pending: deque[Future[tuple[Any, torch.cuda.Event]]] = deque()
         self._exhausted = False
         self._preload()
 
@@ -72,11 +72,9 @@ class CUDAPrefetcher:
             return [self.normalize(batch[0]), *batch[1:]]
         return batch
 
-    def _decode(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
-        # Runs in the decode thread: the current device and stream are per thread.
-        assert self._decode_stream is not None
-        stream = self._decode_stream
-        with record_function("prefetch: decode"), torch.cuda.device(self.device), torch.cuda.stream(stream):
+    def _copy(self, batch: Any, stream: torch.cuda.Stream) -> tuple[Any, torch.cuda.Event]:
+        # Also runs in the decode thread, whose current device and stream are its own.
+        with record_function("prefetch: copy"), torch.cuda.device(self.device), torch.cuda.stream(stream):
             if self.pin:
                 batch = _pinned(batch)  # freed for reuse once the copy below has run
             if hasattr(batch, "decode"):
@@ -106,12 +104,10 @@ class CUDAPrefetcher:
                     self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
                     self._decode_stream = torch.cuda.Stream(device=self.device)
                     self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the constants' copy
-                self._pending.append(self._decoder.submit(self._decode, batch))
+                self._pending.append(self._decoder.submit(self._copy, batch, self._decode_stream))
                 continue
-            with torch.cuda.stream(self.stream):
-                out = self._normalized(_to_device(batch, self.device))
-            ready: Future[tuple[Any, torch.cuda.Event | None]] = Future()
-            ready.set_result((out, None))
+            ready: Future[tuple[Any, torch.cuda.Event]] = Future()
+            ready.set_result(self._copy(batch, self.stream))
             self._pending.append(ready)
 
     def __iter__(self) -> CUDAPrefetcher:
@@ -123,13 +119,9 @@ class CUDAPrefetcher:
         with record_function("prefetch: wait for decode"):
             batch, done = self._pending.popleft().result()  # an error from decoding is raised here, in the loop
         current = torch.cuda.current_stream(self.device)
-        if done is None:
-            current.wait_stream(self.stream)
-        else:
-            current.wait_event(done)
+        current.wait_event(done)
         _map(batch, lambda t: t.record_stream(current))
-        if done is not None:
-            batch = self._normalized(batch)  # a decoded batch, on the training stream: one small kernel
+        batch = self._normalized(batch)  # a decoded batch's images, on the training stream: one small kernel
         self._preload()
         return batch
 
