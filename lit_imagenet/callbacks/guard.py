@@ -29,8 +29,7 @@ class NonFiniteGuard(pl.Callback):
             raise ValueError(f"max_consecutive must be at least 1. Got {max_consecutive}")
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
-        self.max_consecutive = max_consecutive
-        self.check_every_n_steps = check_every_n_steps
+        self.max_consecutive, self.check_every_n_steps = max_consecutive, check_every_n_steps
         # On the device: consecutive non-finite losses, the step they began at, where a run over the limit began.
         self._state: Tensor | None = None
         self._max: DelayedMax | None = None

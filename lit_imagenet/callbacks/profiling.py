@@ -20,9 +20,7 @@ class Profile(pl.Callback):
     def __init__(self, start_step: int = -1, steps: int = 10, torch_trace: bool = False) -> None:
         if steps < 1:
             raise ValueError(f"steps must be at least 1. Got {steps}")
-        self.start_step = start_step
-        self.steps = steps
-        self.torch_trace = torch_trace
+        self.start_step, self.steps, self.torch_trace = start_step, steps, torch_trace
         self.trace_path: Path | None = None
         self._batch = 0
         self._active = False

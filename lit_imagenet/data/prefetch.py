@@ -34,10 +34,6 @@ def _pinned(batch: Any) -> Any:
     return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory())
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    return _map(batch, lambda t: t.to(device, non_blocking=True))
-
-
 class CUDAPrefetcher:
     """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
     A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
@@ -80,7 +76,7 @@ class CUDAPrefetcher:
             if hasattr(batch, "decode"):
                 out = batch.decode(self.device)  # kept in uint8 while queued: a quarter of the bytes of float32
             else:
-                out = self._normalized(_to_device(batch, self.device))
+                out = self._normalized(_map(batch, lambda t: t.to(self.device, non_blocking=True)))
             done = torch.cuda.Event()
             done.record(stream)
         return out, done
@@ -145,8 +141,7 @@ class PrefetchLoader(DataLoader):
         if self.pins_in_prefetcher:
             kwargs["pin_memory"] = False  # no pin thread: the prefetcher pins
         super().__init__(*args, **kwargs)
-        self.mean = tuple(mean)
-        self.std = tuple(std)
+        self.mean, self.std = tuple(mean), tuple(std)
         self.decode_ahead = decode_ahead
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 

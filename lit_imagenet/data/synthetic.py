@@ -150,11 +150,9 @@ class SyntheticDataModule(pl.LightningDataModule):
         super().__init__()
         if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
             raise ValueError("batch_size, crop_size, num_classes and train_steps must be positive.")
-        self.batch_size = batch_size
-        self.crop_size = crop_size
+        self.batch_size, self.crop_size = batch_size, crop_size
         self.classes = [f"class_{i}" for i in range(num_classes)]
-        self.train_steps = train_steps
-        self.val_steps = val_steps
+        self.train_steps, self.val_steps = train_steps, val_steps
         self.channels_last = channels_last
         self.prefetch_device: torch.device | None = None
 

@@ -27,8 +27,7 @@ class WarmupMultiStep:
             raise ValueError(f"warmup_epochs must not be negative. Got {warmup_epochs}")
         if list(milestones) != sorted(milestones):
             raise ValueError(f"milestones must be in increasing order. Got {list(milestones)}")
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.warmup_epochs = int(warmup_epochs)
+        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.milestones = [int(m) for m in milestones]
         self.gamma = float(gamma)
 
@@ -51,9 +50,8 @@ class WarmupCosine:
             raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
             raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
-        self.steps_per_epoch = int(steps_per_epoch)
+        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.max_epochs = int(max_epochs)
-        self.warmup_epochs = int(warmup_epochs)
 
     def __call__(self, steps_done: int) -> float:
         warmup = self.warmup_epochs * self.steps_per_epoch
