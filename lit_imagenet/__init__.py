@@ -1,19 +1,6 @@
 """lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning.
 
-The package's folders are its layers, each importing only from those below it
-(``tests/test_layout.py`` checks it)::
-
-    cli, export        the command lines: train.py, python -m lit_imagenet.export
-    callbacks/         what watches and keeps a run: checkpoints, pre-emption, guard, console, logs
-    training/          the LightningModule and its parts: network, metrics, optimizer, schedule, precision, DDP
-    data/              from the folder to the batch: the index, decoders, crops, samplers, DALI, the prefetcher
-    compat, errors     private attributes of Lightning and torch; the user's errors
-
-From Python, the pieces the command line puts together::
-
-    dm = ImageFolderDataModule("data/shapes", batch_size=64, workers=2, crop_size=64, val_resize=72)
-    model = ImageClassifier("resnet18", num_classes=dm.num_classes, class_names=dm.classes)
-    pl.Trainer(max_epochs=8, callbacks=default_callbacks(), logger=RunLogger("runs")).fit(model, dm)
+Its layers and modules: docs/design.md ("Packages"); using it from Python: README.md.
 """
 
 from __future__ import annotations

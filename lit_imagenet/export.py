@@ -1,9 +1,4 @@
-"""``python -m lit_imagenet.export CHECKPOINT OUT_DIR``: a trained classifier for use without this project.
-
-Writes ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a ``torch.export`` program, any batch
-size) and ``<arch>.json`` (classes, input size, mean and std). Both take float NCHW images normalised with the
-ImageNet mean and std, and return logits.
-"""
+"""``python -m lit_imagenet.export CHECKPOINT OUT_DIR``: a trained classifier for use without this project."""
 
 from __future__ import annotations
 
@@ -32,25 +27,16 @@ def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
 
 
 def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[str, Path]:
-    """Writes the network of a checkpoint as a plain torchvision state dict and as a torch.export program.
-
-    Args:
-        checkpoint_path: A ``.ckpt`` file written by ``train.py fit``.
-        out_dir: Folder for the exported files (created if needed).
-        image_size: Height and width the program is exported for: the crop size the model was trained with.
-
-    Returns:
-        The paths written, under the keys ``state_dict``, ``program`` and ``metadata``.
-    """
+    """Writes the network of ``checkpoint_path`` (a ``.ckpt`` of ``train.py fit``) to ``out_dir`` as
+    ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a ``torch.export`` program for any batch of
+    ``image_size`` squared images: the training crop size) and ``<arch>.json`` (classes, input size, mean and std);
+    returns their paths under the keys ``state_dict``, ``program`` and ``metadata``."""
     network, hparams = load_network(checkpoint_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = hparams["arch"]
-    paths = {
-        "state_dict": out / f"{arch}_state_dict.pth",
-        "program": out / f"{arch}.pt2",
-        "metadata": out / f"{arch}.json",
-    }
+    ends = {"state_dict": "_state_dict.pth", "program": ".pt2", "metadata": ".json"}
+    paths = {key: out / f"{arch}{end}" for key, end in ends.items()}
     torch.save(network.state_dict(), paths["state_dict"])
     example = torch.randn(2, 3, image_size, image_size)
     with torch.no_grad():

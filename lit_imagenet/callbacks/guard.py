@@ -20,26 +20,17 @@ class NonFiniteLossError(RuntimeError):
 
 
 class NonFiniteGuard(pl.Callback):
-    """Stops the run when the loss has been NaN or infinite for ``max_consecutive`` batches in a row.
-
-    The count stays on the device and is read back a check later (``DelayedMax``), so the guard never waits
-    for the GPU during an epoch; the run stops up to twice ``check_every_n_steps`` batches after the limit, on
-    every rank together. The error names the step where the bad run began and the newest checkpoint before it.
-
-    Args:
-        max_consecutive: Consecutive non-finite losses that stop the run.
-        check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps.
-    """
+    """Stops the run, on every rank together, when the loss has been NaN or infinite for ``max_consecutive`` batches:
+    up to twice ``check_every_n_steps`` (``None``: Lightning's log steps) batches later, since the count is read back a
+    check later (``DelayedMax``). The error names the newest checkpoint before the bad run."""
 
     def __init__(self, max_consecutive: int = 20, check_every_n_steps: int | None = None) -> None:
         if max_consecutive < 1:
             raise ValueError(f"max_consecutive must be at least 1. Got {max_consecutive}")
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
-        self.max_consecutive = max_consecutive
-        self.check_every_n_steps = check_every_n_steps
-        # On the device: consecutive non-finite losses, the step that run began at, and where a run that
-        # reached the limit began (-1: none).
+        self.max_consecutive, self.check_every_n_steps = max_consecutive, check_every_n_steps
+        # On the device: consecutive non-finite losses, the step they began at, where a run over the limit began.
         self._state: Tensor | None = None
         self._max: DelayedMax | None = None
         self._batches = 0
@@ -98,12 +89,10 @@ class NonFiniteGuard(pl.Callback):
             return
         self._note_checkpoints(trainer)
         # A rolling file rewritten after the bad run began holds bad weights.
-        good = [(s, p) for p, s in self._saved.items() if s <= start and Path(p).is_file()]
-        where = (
-            f"the last checkpoint before it is {max(good)[1]} (step {max(good)[0]}); resume with --ckpt_path PATH"
-            if good
-            else "no checkpoint was saved before it"
-        )
+        good = max([(s, p) for p, s in self._saved.items() if s <= start and Path(p).is_file()], default=None)
+        where = "no checkpoint was saved before it"
+        if good:
+            where = f"the last checkpoint before it is {good[1]} (step {good[0]}); resume with --ckpt_path PATH"
         raise NonFiniteLossError(
             f"The training loss was NaN or infinite for {self.max_consecutive} consecutive batches from global step "
             f"{start}; {where}, and lower the learning rate or check the data."

@@ -13,24 +13,14 @@ from typing_extensions import override
 
 
 class Profile(pl.Callback):
-    """The reference's ``--prof N``: profile ``steps`` training batches from batch ``start_step``, then stop.
-
-    On CUDA each batch, forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs
-    over the window (``nsys profile --capture-range=cudaProfilerApi``). With ``torch_trace`` the PyTorch
-    profiler records the window to ``trace.json`` in the log folder. The run ends after the window.
-
-    Args:
-        start_step: First profiled batch of the run (from 0); -1 turns profiling off.
-        steps: Number of profiled batches.
-        torch_trace: Also record a PyTorch profiler trace of the window.
-    """
+    """Profiles ``steps`` training batches from batch ``start_step`` (-1: off), then ends the run. On CUDA each batch,
+    forward, backward and optimizer step gets an NVTX range and the CUDA profiler runs over the window (``nsys profile
+    --capture-range=cudaProfilerApi``); ``torch_trace`` also records it to ``trace.json`` in the log folder."""
 
     def __init__(self, start_step: int = -1, steps: int = 10, torch_trace: bool = False) -> None:
         if steps < 1:
             raise ValueError(f"steps must be at least 1. Got {steps}")
-        self.start_step = start_step
-        self.steps = steps
-        self.torch_trace = torch_trace
+        self.start_step, self.steps, self.torch_trace = start_step, steps, torch_trace
         self.trace_path: Path | None = None
         self._batch = 0
         self._active = False
@@ -122,9 +112,8 @@ class Profile(pl.Callback):
             self._profiler.stop()
             folder = Path(trainer.log_dir or trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
-            self.trace_path = folder / (
-                f"trace-rank{trainer.global_rank}.json" if trainer.world_size > 1 else "trace.json"
-            )
+            name = f"trace-rank{trainer.global_rank}.json" if trainer.world_size > 1 else "trace.json"
+            self.trace_path = folder / name
             self._profiler.export_chrome_trace(str(self.trace_path))
             self._profiler = None
             rank_zero_info(f"Profiler trace: {self.trace_path}")

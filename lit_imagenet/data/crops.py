@@ -1,9 +1,5 @@
-"""The crop rule of every decoder: RandomResizedCrop's boxes drawn from a sample's seed, and evaluation's centre crop.
-
-A training sample's crop and flip depend on its augmentation seed and its image's size alone, so a seed gives the
-same crop with ``pil`` and ``torchvision`` (``presets.TrainCrop``), ``nvjpeg`` (in its workers) and ``dali`` (in its
-external source).
-"""
+"""The crop rule of every decoder: RandomResizedCrop's boxes drawn from a sample's seed (so every decoder crops a
+seed alike), and evaluation's centre crop."""
 
 from __future__ import annotations
 
@@ -31,16 +27,9 @@ class CropBox(NamedTuple):
 def crop_draws(
     seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
 ) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64).
-
-    Returns a float64 ``(N, 23)`` array: ten area fractions in ``scale``, ten aspect ratios drawn log-uniformly
-    in ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5).
-
-    Args:
-        seeds: The samples' augmentation seeds (``EpochSeededSampler``'s).
-        scale: Range of the crop's area, as a fraction of the image.
-        ratio: Range of the crop's aspect ratio (width / height).
-    """
+    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64): a float64
+    ``(N, 23)`` array of ten area fractions in ``scale``, ten aspect ratios (width / height) drawn log-uniformly in
+    ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5)."""
     seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
     steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):  # SplitMix64: wrapping 64-bit arithmetic is the point
@@ -58,18 +47,11 @@ def crop_draws(
 
 
 def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
-    """RandomResizedCrop's boxes for rows of ``crop_draws``: the first try that fits, placed at random; when none
-    fits, the largest centred box with an aspect ratio in ``ratio``. An int32 ``(N, 4)`` array of ``(top, left,
-    height, width)``.
-
-    Args:
-        sizes: ``(N, 2)`` heights and widths (``images.ImageSizes``).
-        draws: ``(N, 23)`` rows of ``crop_draws``.
-        ratio: The aspect ratio range the draws were made for.
-    """
+    """RandomResizedCrop's boxes for ``(N, 2)`` heights and widths ``sizes`` and rows of ``crop_draws``: the first try
+    that fits, placed at random, else the largest centred box with an aspect ratio in ``ratio``. An int32 ``(N, 4)``
+    array of ``(top, left, height, width)``."""
     t = CROP_TRIES
-    height = sizes[:, 0:1].astype(np.float64)
-    width = sizes[:, 1:2].astype(np.float64)
+    height, width = sizes[:, 0:1].astype(np.float64), sizes[:, 1:2].astype(np.float64)
     area = height * width
     s, r = draws[:, :t], draws[:, t : 2 * t]
     w = np.floor(np.sqrt(area * s * r) + 0.5)
@@ -78,12 +60,9 @@ def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float
     found = fits.any(axis=1)
     first = fits.argmax(axis=1)[:, None]  # the first try that fits
     rows = np.arange(len(sizes))
-    fit_w, fit_h = np.take_along_axis(w, first, 1)[:, 0], np.take_along_axis(h, first, 1)[:, 0]
     height, width = height[:, 0], width[:, 0]
-    centre_w = np.minimum(width, np.floor(height * ratio[1] + 0.5))
-    centre_h = np.minimum(height, np.floor(width / ratio[0] + 0.5))
-    out_w = np.where(found, fit_w, centre_w)
-    out_h = np.where(found, fit_h, centre_h)
+    out_w = np.where(found, np.take_along_axis(w, first, 1)[:, 0], np.minimum(width, np.floor(height * ratio[1] + 0.5)))
+    out_h = np.where(found, np.take_along_axis(h, first, 1)[:, 0], np.minimum(height, np.floor(width / ratio[0] + 0.5)))
     top = np.where(found, np.floor(draws[rows, 2 * t] * (height - out_h + 1)), (height - out_h) // 2)
     left = np.where(found, np.floor(draws[rows, 2 * t + 1] * (width - out_w + 1)), (width - out_w) // 2)
     return np.stack([top, left, out_h, out_w], axis=1).astype(np.int32)
@@ -107,8 +86,7 @@ def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray
     """torchvision's ``Resize(resize)`` then ``CenterCrop(crop)`` of images of ``(N, 2)`` heights and widths ``sizes``:
     float32 ``(N, 2)`` arrays of the resized ``(width, height)`` and of the crop's position as
     ``crop_mirror_normalize`` takes it, ``(x, y)`` in [0, 1] of ``side - crop``."""
-    height = sizes[:, 0].astype(np.float64)
-    width = sizes[:, 1].astype(np.float64)
+    height, width = sizes[:, 0].astype(np.float64), sizes[:, 1].astype(np.float64)
     wide = width >= height
     new_h = np.where(wide, resize, np.floor(resize * height / width))
     new_w = np.where(wide, np.floor(resize * width / height), resize)
@@ -119,13 +97,9 @@ def eval_geometry(sizes: np.ndarray, resize: int, crop: int) -> tuple[np.ndarray
 
 def center_crop_box(height: int, width: int, resize: int, crop: int) -> CropBox:
     """The source region that ``Resize(resize)`` then ``CenterCrop(crop)`` keep, in source pixels."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_long = int(resize * long / short)
-    new_h, new_w = (resize, new_long) if height <= width else (new_long, resize)
-    top = int(round((new_h - crop) / 2.0))
-    left = int(round((new_w - crop) / 2.0))
+    new_w, new_h = eval_geometry(np.array([[height, width]]), resize, crop)[0][0].tolist()
     scale_h, scale_w = height / new_h, width / new_w
-    src_top, src_left = int(round(top * scale_h)), int(round(left * scale_w))
+    src_top, src_left = round(round((new_h - crop) / 2.0) * scale_h), round(round((new_w - crop) / 2.0) * scale_w)
     src_h = max(1, min(height - src_top, int(round(crop * scale_h))))
     src_w = max(1, min(width - src_left, int(round(crop * scale_w))))
     return CropBox(src_top, src_left, src_h, src_w)

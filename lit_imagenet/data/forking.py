@@ -1,8 +1,5 @@
-"""Processes forked by the data path (loader workers, the folder scan) never collect the parent's garbage.
-
-A child forked within ``forks_skip_parent_garbage`` freezes what it inherited (``gc.freeze()``): a DALI pipeline
-freed by a worker's collector would end the worker with a segmentation fault.
-"""
+"""Processes forked by the data path never collect the parent's garbage: a DALI pipeline freed by a worker's
+collector would end the worker with a segmentation fault."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Batches that reach the GPU already normalised, one step ahead of the compute.
-
-The idea of NVIDIA apex's ImageNet ``data_prefetcher`` (also timm's ``PrefetchLoader``): workers collate uint8
-images; the next batch is copied to the GPU and normalised there on a side stream while the current one trains;
-the hand-over makes the training stream wait for the side stream and records the tensors on it. On anything but a
-CUDA device ``PrefetchLoader`` iterates like a plain ``DataLoader`` and the model normalises the uint8 batch.
-"""
+"""Batches copied to the GPU and normalised on a side stream one step ahead of the compute (apex's
+``data_prefetcher``). On anything but CUDA, ``PrefetchLoader`` iterates like a plain ``DataLoader``."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -25,41 +20,25 @@ from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
+def _map(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
     if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
+        return fn(batch)
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
+        return type(batch)(_map(b, fn) for b in batch)
     return batch
 
 
 def _pinned(batch: Any) -> Any:
-    """``batch`` with its tensors in page-locked memory (those already there are kept, not copied)."""
-    if isinstance(batch, Tensor):
-        return batch if batch.is_pinned() else batch.pin_memory()
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_pinned(b) for b in batch)
-    if hasattr(batch, "pin_memory"):
+    if not isinstance(batch, (Tensor, list, tuple)) and hasattr(batch, "pin_memory"):
         return batch.pin_memory()  # an EncodedBatch
-    return batch
-
-
-def _record(batch: Any, stream: torch.cuda.Stream) -> None:
-    if isinstance(batch, Tensor):
-        batch.record_stream(stream)
-    elif isinstance(batch, (list, tuple)):
-        for b in batch:
-            _record(b, stream)
+    return _map(batch, lambda t: t if t.is_pinned() else t.pin_memory())
 
 
 class CUDAPrefetcher:
-    """Iterates ``source`` ahead of the training loop, copying and normalising each batch on a side stream.
-
-    A batch is a list or tuple whose first element is a uint8 image tensor; its tensors go to ``device`` and its
-    images are normalised to float32, one step ahead. A batch with a ``decode(device)`` method (an ``EncodedBatch``
-    for nvJPEG), and with ``pin`` every batch, is pinned, copied and decoded in a thread of its own on a stream of
-    its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode blocks its calling thread until the GPU is done.
-    """
+    """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
+    A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
+    copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode
+    blocks its calling thread until the GPU is done."""
 
     def __init__(
         self,
@@ -80,7 +59,7 @@ class CUDAPrefetcher:
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
-        self._pending: deque[Future[tuple[Any, torch.cuda.Event | None]]] = deque()
+        self._pending: deque[Future[tuple[Any, torch.cuda.Event]]] = deque()
         self._exhausted = False
         self._preload()
 
@@ -89,17 +68,15 @@ class CUDAPrefetcher:
             return [self.normalize(batch[0]), *batch[1:]]
         return batch
 
-    def _decode(self, batch: Any) -> tuple[Any, torch.cuda.Event]:
-        # Runs in the decode thread: the current device and stream are per thread.
-        assert self._decode_stream is not None
-        stream = self._decode_stream
-        with record_function("prefetch: decode"), torch.cuda.device(self.device), torch.cuda.stream(stream):
+    def _copy(self, batch: Any, stream: torch.cuda.Stream) -> tuple[Any, torch.cuda.Event]:
+        # Also runs in the decode thread, whose current device and stream are its own.
+        with record_function("prefetch: copy"), torch.cuda.device(self.device), torch.cuda.stream(stream):
             if self.pin:
                 batch = _pinned(batch)  # freed for reuse once the copy below has run
             if hasattr(batch, "decode"):
                 out = batch.decode(self.device)  # kept in uint8 while queued: a quarter of the bytes of float32
             else:
-                out = self._normalized(_to_device(batch, self.device))
+                out = self._normalized(_map(batch, lambda t: t.to(self.device, non_blocking=True)))
             done = torch.cuda.Event()
             done.record(stream)
         return out, done
@@ -123,12 +100,10 @@ class CUDAPrefetcher:
                     self._decoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpu-decode")
                     self._decode_stream = torch.cuda.Stream(device=self.device)
                     self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the constants' copy
-                self._pending.append(self._decoder.submit(self._decode, batch))
+                self._pending.append(self._decoder.submit(self._copy, batch, self._decode_stream))
                 continue
-            with torch.cuda.stream(self.stream):
-                out = self._normalized(_to_device(batch, self.device))
-            ready: Future[tuple[Any, torch.cuda.Event | None]] = Future()
-            ready.set_result((out, None))
+            ready: Future[tuple[Any, torch.cuda.Event]] = Future()
+            ready.set_result(self._copy(batch, self.stream))
             self._pending.append(ready)
 
     def __iter__(self) -> CUDAPrefetcher:
@@ -140,31 +115,17 @@ class CUDAPrefetcher:
         with record_function("prefetch: wait for decode"):
             batch, done = self._pending.popleft().result()  # an error from decoding is raised here, in the loop
         current = torch.cuda.current_stream(self.device)
-        if done is None:
-            current.wait_stream(self.stream)
-            _record(batch, current)
-        else:
-            current.wait_event(done)
-            _record(batch, current)
-            batch = self._normalized(batch)  # a decoded batch, on the training stream: one small kernel
+        current.wait_event(done)
+        _map(batch, lambda t: t.record_stream(current))
+        batch = self._normalized(batch)  # a decoded batch's images, on the training stream: one small kernel
         self._preload()
         return batch
 
 
 class PrefetchLoader(DataLoader):
-    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher``.
-
-    On CUDA, ``pin_memory=True`` is left to the prefetcher, which pins only the batches it is about to copy
-    (``pins_in_prefetcher``), where ``DataLoader``'s pin thread would pin every batch the workers hand over.
-
-    Args:
-        *args: Passed to ``DataLoader``.
-        device: Where batches go; ``None`` or a non-CUDA device iterates like a plain ``DataLoader``.
-        mean: Per-channel mean for normalisation on the GPU.
-        std: Per-channel standard deviation for normalisation on the GPU.
-        decode_ahead: Encoded batches queued for decoding on the GPU (see ``CUDAPrefetcher``, which checks it).
-        **kwargs: Passed to ``DataLoader``.
-    """
+    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher`` (``decode_ahead``,
+    normalising with ``mean`` and ``std``); any other ``device`` iterates like a plain ``DataLoader``. On CUDA,
+    ``pin_memory=True`` is left to the prefetcher (``pins_in_prefetcher``), which pins only the batches it copies."""
 
     def __init__(
         self,
@@ -180,8 +141,7 @@ class PrefetchLoader(DataLoader):
         if self.pins_in_prefetcher:
             kwargs["pin_memory"] = False  # no pin thread: the prefetcher pins
         super().__init__(*args, **kwargs)
-        self.mean = tuple(mean)
-        self.std = tuple(std)
+        self.mean, self.std = tuple(mean), tuple(std)
         self.decode_ahead = decode_ahead
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 
@@ -189,8 +149,7 @@ class PrefetchLoader(DataLoader):
         return self.device is not None and self.device.type == "cuda"
 
     def stop_workers(self) -> None:
-        """Stops the workers of a pass that ended before its last batch (``limit_val_batches``, the sanity check),
-        unless they are persistent."""
+        """Stops the non-persistent workers of a pass that ended before its last batch (``limit_val_batches``)."""
         source, self._pass_workers = self._pass_workers, None
         if source is not None:
             stop_workers(source)
@@ -205,8 +164,7 @@ class PrefetchLoader(DataLoader):
             self.sampler.seed = int(state_dict["seed"])
 
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
-        """Yields the pass's batches; at the last one (Lightning asks for no more), stops the workers of a pass that
-        does not keep them (evaluation's, by default), which would otherwise hold their memory until the next pass."""
+        """Yields the pass's batches, stopping its workers at the last one (they would hold memory)."""
         total = len(self)
         for count, batch in enumerate(source, 1):
             if count == total:
@@ -231,29 +189,21 @@ class PrefetchLoader(DataLoader):
 
 
 class CUDAPrefetch(pl.Callback):
-    """Turns on the side-stream prefetcher (``PrefetchLoader``) when the run is on a CUDA device.
-
-    Lightning creates the loaders before any epoch-start hook, so the device is handed to the data module (one
-    with a ``prefetch_device`` attribute) in ``setup``. At the end of each evaluation it stops that pass's workers
-    unless they are persistent. ``ImageClassifier`` attaches it; one given to the Trainer takes its place.
-
-    Args:
-        enabled: Set to ``False`` to transfer batches the plain way, on the default stream.
-    """
+    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``: the device
+    goes to the data module's ``prefetch_device`` in ``setup``, before Lightning creates the loaders; each evaluation's
+    non-persistent workers stop at its end. ``ImageClassifier`` attaches one unless given one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "prefetch_device"):
-            return
-        device = trainer.strategy.root_device
-        datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
+        if hasattr(trainer.datamodule, "prefetch_device"):  # None has none
+            device = trainer.strategy.root_device
+            trainer.datamodule.prefetch_device = device if self.enabled and device.type == "cuda" else None
 
-    @classmethod
-    def _stop_workers(cls, loaders: Any) -> None:
+    @staticmethod
+    def _stop_workers(loaders: Any) -> None:
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
             if isinstance(loader, PrefetchLoader):
                 loader.stop_workers()
@@ -272,6 +222,5 @@ class CUDAPrefetch(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        datamodule = trainer.datamodule
-        if datamodule is not None and hasattr(datamodule, "prefetch_device"):
-            datamodule.prefetch_device = None
+        if hasattr(trainer.datamodule, "prefetch_device"):
+            trainer.datamodule.prefetch_device = None

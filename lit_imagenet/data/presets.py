@@ -1,5 +1,4 @@
-"""ImageNet presets: the normalisation constants, ``Uint8Normalize``, and the train and eval transforms of the CPU
-decoders (the training crop from ``data.crops``, the rule every decoder follows)."""
+"""ImageNet presets: the normalisation constants, ``Uint8Normalize``, and the CPU decoders' transforms."""
 
 from __future__ import annotations
 
@@ -19,12 +18,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class Uint8Normalize(nn.Module):
-    """Turns uint8 images in [0, 255] into normalised floats, ``(x / 255 - mean) / std``, in their memory format.
-
-    Args:
-        mean: Per-channel mean of images scaled to [0, 1].
-        std: Per-channel standard deviation of images scaled to [0, 1].
-    """
+    """Turns uint8 images into normalised floats, ``(x / 255 - mean) / std``, in their memory format; ``mean`` and
+    ``std`` are per channel, of images scaled to [0, 1]."""
 
     def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> None:
         super().__init__()
@@ -47,17 +42,11 @@ class Uint8Normalize(nn.Module):
 
 
 class TrainCrop:
-    """RandomResizedCrop and a horizontal flip from the sample's seed (``crops.crop_and_flip``, the rule of every
-    decoder), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear).
-
-    Args:
-        size: Side of the output image.
-        scale: Range of the crop's area, as a fraction of the image.
-    """
+    """RandomResizedCrop (area fraction in ``scale``) and a horizontal flip from the sample's seed
+    (``crops.crop_and_flip``), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear)."""
 
     def __init__(self, size: int, scale: tuple[float, float]) -> None:
-        self.size = size
-        self.scale = scale
+        self.size, self.scale = size, scale
 
     def __call__(self, img: Any, seed: int | None = None) -> Any:
         height, width = F.get_size(img)
@@ -69,9 +58,7 @@ class TrainCrop:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale})"
 
 
-def train_transform(crop_size: int, crop_scale: tuple[float, float]) -> TrainCrop:
-    """The training crop and flip (``TrainCrop``), on PIL images or uint8 tensors."""
-    return TrainCrop(crop_size, crop_scale)
+train_transform = TrainCrop  # (crop_size, crop_scale): the training crop and flip
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:

@@ -22,15 +22,11 @@ _MARKER = ".complete.json"
 
 
 def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tuple[float, float]]:
-    if kind == "square":
-        pts = [(math.cos(a), math.sin(a)) for a in (math.pi / 4 + k * math.pi / 2 for k in range(4))]
-    elif kind == "triangle":
-        pts = [(math.cos(a), math.sin(a)) for a in (-math.pi / 2 + k * 2 * math.pi / 3 for k in range(3))]
-    elif kind == "star":
-        pts = [
-            ((1.0 if k % 2 == 0 else 0.42) * math.cos(a), (1.0 if k % 2 == 0 else 0.42) * math.sin(a))
-            for k, a in enumerate(-math.pi / 2 + k * math.pi / 5 for k in range(10))
-        ]
+    if kind in ("square", "triangle", "star"):  # corners on a circle; the star's odd ones nearer the centre
+        n, start = {"square": (4, math.pi / 4), "triangle": (3, -math.pi / 2), "star": (10, -math.pi / 2)}[kind]
+        radii = [0.42 if kind == "star" and k % 2 else 1.0 for k in range(n)]
+        angles = [start + k * 2 * math.pi / n for k in range(n)]
+        pts = [(rad * math.cos(a), rad * math.sin(a)) for rad, a in zip(radii, angles)]
     elif kind == "cross":
         w = 0.33
         pts = [(w, 1), (w, w), (1, w), (1, -w), (w, -w), (w, -1)]
@@ -56,13 +52,10 @@ def draw_shape(kind: str, size: tuple[int, int], seed: int) -> Image.Image:
     width, height = size
     fg, bg = _colours(rng, SHAPES.index(kind) / len(SHAPES))
     noise = np.random.default_rng(seed).normal(0.0, 12.0, size=(height, width, 3))
-    background = np.clip(np.asarray(bg, dtype=np.float64) + noise, 0, 255).astype(np.uint8)
-    img = Image.fromarray(background, "RGB")
+    img = Image.fromarray(np.clip(np.asarray(bg, dtype=np.float64) + noise, 0, 255).astype(np.uint8), "RGB")
     draw = ImageDraw.Draw(img)
-    side = min(width, height)
-    r = rng.uniform(0.22, 0.4) * side
-    cx = rng.uniform(r, width - r)
-    cy = rng.uniform(r, height - r)
+    r = rng.uniform(0.22, 0.4) * min(width, height)
+    cx, cy = rng.uniform(r, width - r), rng.uniform(r, height - r)
     if kind == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fg)
     elif kind == "ring":
@@ -88,19 +81,8 @@ def make_shapes(
     seed: int = 0,
     processes: int = 1,
 ) -> Path:
-    """Writes a shapes ImageFolder to ``out`` (or reuses one made with the same settings) and returns its path.
-
-    Args:
-        out: Folder to create; it gets ``train/`` and ``val/``.
-        train_per_class: Training images per class.
-        val_per_class: Validation images per class.
-        width: Image width in pixels.
-        height: Image height in pixels.
-        num_classes: Number of classes, from 2 up to the number of shapes (6).
-        quality: JPEG quality.
-        seed: Seed of every random choice; the same seed gives the same images.
-        processes: Worker processes for drawing and encoding.
-    """
+    """Writes a shapes ImageFolder (``train/``, ``val/``) to ``out``, or reuses one made with the same settings, and
+    returns its path. ``num_classes`` is 2 to 6; the same ``seed`` gives the same images; ``processes`` draw them."""
     if not 2 <= num_classes <= len(SHAPES):
         raise ValueError(f"num_classes must be between 2 and {len(SHAPES)}. Got {num_classes}")
     root = Path(out)
@@ -132,8 +114,7 @@ def make_shapes(
         with ProcessPoolExecutor(processes) as pool:
             list(pool.map(_write, jobs, chunksize=64))
     else:
-        for job in jobs:
-            _write(job)
+        list(map(_write, jobs))
     marker.write_text(json.dumps(settings))
     print(f"Wrote {len(jobs)} images of {num_classes} classes to {root}", flush=True)
     return root
@@ -153,16 +134,8 @@ class _Repeated:
 
 
 class SyntheticDataModule(pl.LightningDataModule):
-    """The same random uint8 batch every step, made on the training device (``CUDAPrefetch`` hands it over): ``fit``
-    with no loading, decoding or copying, to measure the training loop itself.
-
-    Args:
-        batch_size: Images per batch in each process.
-        crop_size: Side of the square images.
-        num_classes: Number of classes of the random labels.
-        train_steps: Batches per training epoch.
-        val_steps: Batches per validation pass.
-        channels_last: Make the batches channels_last. ``None``: on when the run uses a CUDA device.
+    """The same random uint8 batch of ``batch_size`` square ``crop_size`` images every step, made on the training
+    device: ``fit`` with no loading or copying, to measure the training loop itself. ``channels_last=None``: on CUDA.
     """
 
     def __init__(
@@ -177,18 +150,14 @@ class SyntheticDataModule(pl.LightningDataModule):
         super().__init__()
         if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
             raise ValueError("batch_size, crop_size, num_classes and train_steps must be positive.")
-        self.batch_size = batch_size
-        self.crop_size = crop_size
+        self.batch_size, self.crop_size = batch_size, crop_size
         self.classes = [f"class_{i}" for i in range(num_classes)]
-        self.train_steps = train_steps
-        self.val_steps = val_steps
+        self.train_steps, self.val_steps = train_steps, val_steps
         self.channels_last = channels_last
-        #: Set by the ``CUDAPrefetch`` callback: where the batches are made.
         self.prefetch_device: torch.device | None = None
 
     @property
     def num_classes(self) -> int:
-        """Number of classes of the labels."""
         return len(self.classes)
 
     def _batches(self, steps: int) -> _Repeated:

@@ -9,24 +9,14 @@ from torchmetrics.classification import MulticlassAccuracy
 
 def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
     """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
-    return MetricCollection(
-        {
-            "top1": MulticlassAccuracy(num_classes, top_k=1, average="micro"),
-            "top5": MulticlassAccuracy(num_classes, top_k=min(5, num_classes), average="micro"),
-        },
-        prefix=prefix,
-        compute_groups=False,  # compute groups merge metrics whose states happen to be equal after a batch
-    )
+    top1, top5 = (MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in (1, min(5, num_classes)))
+    # No compute groups: they merge metrics whose states happen to be equal after a batch.
+    return MetricCollection({"top1": top1, "top5": top5}, prefix=prefix, compute_groups=False)
 
 
 class TopKAccuracy(MeanMetric):
-    """The fraction of samples whose label is among the ``k`` highest logits, with no host-device synchronisation.
-
-    Its state is a sum and a count, so it is exact across ranks; ``MulticlassAccuracy`` reads the GPU per update.
-
-    Args:
-        k: How many of the highest logits count as a hit (capped at the number of classes).
-    """
+    """The fraction of samples whose label is among the ``k`` highest logits: a sum and a count, exact across ranks,
+    with no host-device synchronisation (``MulticlassAccuracy`` reads the GPU per update)."""
 
     def __init__(self, k: int) -> None:
         super().__init__(nan_strategy="disable")

@@ -1,8 +1,4 @@
-"""torchvision classifiers by name, with weights from torchvision or a local file, split into head and backbone.
-
-A local file may be a state dict, a checkpoint of this project or of NVIDIA apex's ImageNet example; it is
-read with ``torch.load(weights_only=True)``. A head with another number of classes is replaced by a new one.
-"""
+"""torchvision classifiers by name, with weights from torchvision or a local file, split into head and backbone."""
 
 from __future__ import annotations
 
@@ -52,31 +48,22 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
         raise ValueError(f"{source} holds no state dict of tensors; give a state dict or a checkpoint.")
     state: dict[str, Tensor] = {}
     for key, value in obj.items():
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, stripped = key[len(prefix) :], True
+        while key.startswith(_PREFIXES):
+            key = key.partition(".")[2]
         state[key] = value
     return state
 
 
 def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
-    """Loads a local weights file into ``model``; returns the keys left at their initial values.
-
-    Only the classifier head may be left out (when its shape differs); anything else that does
-    not fit is an error that names the keys.
-    """
+    """Loads a state dict or checkpoint file into ``model``; returns the head's keys left out for their shape.
+    Anything else that does not fit raises ``ValueError`` naming the keys."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Weights file {path} does not exist; give a torchvision weights name or a file path.")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise ValueError(
-            f"Cannot load weights file {path} safely ({err}); it must be a PyTorch file of tensors."
-        ) from None
+        raise ValueError(f"Cannot load weights file {path} safely ({err}); it must be a file of tensors.") from None
     state = extract_state_dict(obj, str(path))
     own = model.state_dict()
     head = classifier_name(model)
@@ -94,23 +81,15 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in skipped]
     if missing or unexpected:
-        detail = [
-            f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}"
-            for kind, keys in (("missing", missing), ("unexpected", unexpected))
-            if keys
-        ]
+        pairs = (("missing", missing), ("unexpected", unexpected))
+        detail = [f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}" for kind, keys in pairs if keys]
         raise ValueError(f"{path} does not fit {type(model).__name__} ({'; '.join(detail)}); check --model.arch.")
     return skipped
 
 
 def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.Module:
-    """A torchvision classifier with ``num_classes`` outputs.
-
-    Args:
-        arch: A torchvision architecture name, such as ``resnet50``.
-        num_classes: Number of output classes.
-        weights: ``None`` for random initialisation; a torchvision weights name (``IMAGENET1K_V2``,
-            ``DEFAULT`` or ``ResNet50_Weights.IMAGENET1K_V2``); or the path of a local file.
+    """The torchvision classifier ``arch`` (``resnet50``) with ``num_classes`` outputs and ``weights``: ``None``
+    (random), a torchvision weights name (``IMAGENET1K_V2``, ``DEFAULT``, ``ResNet50_Weights.IMAGENET1K_V2``) or a file.
     """
     names = sorted(torchvision.models.list_models(module=torchvision.models))
     if arch not in names:
@@ -128,9 +107,7 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
         tv_weights = enum[name] if name != "DEFAULT" else enum.DEFAULT
     except (KeyError, ValueError):
         choices = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(arch))])
-        raise ValueError(
-            f"{arch} has no torchvision weights {weights!r}; choose one of {choices}, or a file path."
-        ) from None
+        raise ValueError(f"{arch} has no torchvision weights {weights!r}; use one of {choices} or a path.") from None
     model = torchvision.models.get_model(arch, weights=tv_weights)
     return replace_head(model, num_classes)
 
@@ -147,11 +124,7 @@ def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter
 
 
 def set_backbone_frozen(network: nn.Module, head_name: str, frozen: bool, training: bool) -> None:
-    """Stops (or restarts) training of everything but the classifier head.
-
-    Frozen parameters get no gradients and the batch norm layers run in eval mode, keeping their statistics;
-    unfrozen, they follow ``training``.
-    """
+    """Stops (or restarts) training of all but the head: no gradients, batch norms in eval mode (else ``training``)."""
     for p in backbone_parameters(network, head_name):
         p.requires_grad_(not frozen)
     for name, m in network.named_modules():

@@ -1,8 +1,4 @@
-"""SGD as the reference set it up, and its learning-rate schedule fitted to the run's batch and length.
-
-Both depend on the training loader, which Lightning builds after ``configure_optimizers``: the optimizer is
-made with placeholder rates and ``restart_schedule`` sets them at the start of training.
-"""
+"""SGD as the reference set it up, and its schedule; ``restart_schedule`` sets the rates once the loader is built."""
 
 from __future__ import annotations
 
@@ -42,17 +38,13 @@ def build_sgd(
     weight_decay: float,
     fused: bool,
 ) -> torch.optim.SGD:
-    """SGD over two parameter groups: the head's (first) at ``lr``, the backbone's at ``lr * backbone_lr_scale``.
-
-    ``fused``: the fused CUDA kernel, with its momentum buffers created as zeros.
-    """
+    """SGD over two parameter groups: the head's (first) at ``lr``, the backbone's at ``lr * backbone_lr_scale``."""
     groups = [{"params": head, "lr": lr}, {"params": backbone, "lr": lr * backbone_lr_scale}]
     optimizer = torch.optim.SGD(
         groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **({"fused": True} if fused else {})
     )
     if fused and momentum != 0:
-        # Fused SGD makes its buffers with empty_like; a first step skipped by the gradient scaler would
-        # leave them garbage. Zeros give the same first update.
+        # Fused SGD makes its buffers with empty_like, left garbage by a first step the gradient scaler skips.
         for group in groups:
             for p in group["params"]:
                 optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -60,18 +52,9 @@ def build_sgd(
 
 
 def make_schedule(
-    kind: str,
-    steps_per_epoch: int,
-    max_epochs: int | None,
-    warmup_epochs: int,
-    milestones: Sequence[int],
-    gamma: float,
+    kind: str, steps_per_epoch: int, max_epochs: int | None, warmup_epochs: int, milestones: Sequence[int], gamma: float
 ) -> WarmupMultiStep | WarmupCosine:
-    """The rate multiplier per step: ``step`` (warmup, then ``gamma`` at each milestone) or ``cosine``.
-
-    Raises:
-        ValueError: ``cosine`` without a number of epochs to decay over.
-    """
+    """The rate multiplier per step: ``step`` (warmup, then ``gamma`` at each milestone) or ``cosine``."""
     if kind == "cosine":
         if max_epochs is None or max_epochs < 1:
             raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")

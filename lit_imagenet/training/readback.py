@@ -15,11 +15,7 @@ def sync_device(pl_module: pl.LightningModule) -> None:
 
 
 def copy_to_host(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-    """Starts copying ``tensor`` to host memory, without waiting for the GPU.
-
-    Returns the copy and, for a CUDA tensor, an event recorded after it: ``read_host_copy`` waits for that
-    event only, not for the work queued since.
-    """
+    """Starts copying ``tensor`` to the host; returns the copy and, on CUDA, the event ``read_host_copy`` waits for."""
     tensor = tensor.detach()
     if tensor.device.type != "cuda":
         return tensor.clone(), None
@@ -39,15 +35,9 @@ def read_host_copy(copy: tuple[Tensor, torch.cuda.Event | None]) -> Tensor:
 
 
 class DelayedMax:
-    """A maximum over all ranks of a few int64 figures, started at one check and read at the next.
-
-    Two device and pinned host slots are used in turn and live as long as this object, so no queued copy or
-    collective writes into memory handed elsewhere. Every rank must start checks at the same batches.
-
-    Args:
-        size: How many figures.
-        device: Where the figures are computed.
-    """
+    """A maximum over all ranks of ``size`` int64 figures on ``device``, started at one check and read at the next
+    (every rank starts checks at the same batches). Its two slots live as long as it does, so no queued copy or
+    collective writes into memory handed elsewhere."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         self._device = torch.zeros((2, size), dtype=torch.int64, device=device)
@@ -72,9 +62,7 @@ class DelayedMax:
     def read(self, slot: int) -> list[int]:
         """The maximum started in ``slot``, waiting for the GPU only if it has not written it yet."""
         event, self._events[slot] = self._events[slot], None
-        if event is not None:
-            event.synchronize()
-        return [int(v) for v in self._host[slot].tolist()]
+        return [int(v) for v in read_host_copy((self._host[slot], event)).tolist()]
 
     def step(self, figures: Tensor) -> list[int] | None:
         """Starts the maximum of ``figures``; returns the one the previous ``step`` started (``None`` at the first)."""

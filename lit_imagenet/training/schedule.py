@@ -14,25 +14,12 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
 
 
 class WarmupMultiStep:
-    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step.
-
-    The ``k``-th step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times
-    ``(1 + k + e * steps_per_epoch) / (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``.
-    A plain object, so ``LambdaLR`` saves and restores it with its state dict.
-
-    Args:
-        steps_per_epoch: Optimizer steps in one epoch.
-        warmup_epochs: Epochs of linear warmup; 0 turns warmup off.
-        milestones: Epochs at which the rate is multiplied by ``gamma``.
-        gamma: The multiplier applied at each milestone.
-    """
+    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step. The ``k``-th
+    step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times ``(1 + k + e * steps_per_epoch) /
+    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``. A plain object, so ``LambdaLR`` saves it."""
 
     def __init__(
-        self,
-        steps_per_epoch: int,
-        warmup_epochs: int = 5,
-        milestones: Sequence[int] = (30, 60, 80),
-        gamma: float = 0.1,
+        self, steps_per_epoch: int, warmup_epochs: int = 5, milestones: Sequence[int] = (30, 60, 80), gamma: float = 0.1
     ) -> None:
         if steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
@@ -40,33 +27,21 @@ class WarmupMultiStep:
             raise ValueError(f"warmup_epochs must not be negative. Got {warmup_epochs}")
         if list(milestones) != sorted(milestones):
             raise ValueError(f"milestones must be in increasing order. Got {list(milestones)}")
-        self.steps_per_epoch = int(steps_per_epoch)
-        self.warmup_epochs = int(warmup_epochs)
+        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.milestones = [int(m) for m in milestones]
         self.gamma = float(gamma)
 
-    def factor(self, epoch: int, step_in_epoch: int) -> float:
-        """The multiplier for the ``step_in_epoch``-th step (from 1) of ``epoch`` (from 0)."""
-        decays = sum(1 for m in self.milestones if epoch >= m)
-        value = self.gamma**decays
-        if epoch < self.warmup_epochs:
-            value *= (1 + step_in_epoch + epoch * self.steps_per_epoch) / (self.warmup_epochs * self.steps_per_epoch)
-        return value
-
     def __call__(self, steps_done: int) -> float:
-        epoch, index = divmod(steps_done, self.steps_per_epoch)
-        return self.factor(epoch, index + 1)
+        epoch = steps_done // self.steps_per_epoch
+        value = self.gamma ** sum(1 for m in self.milestones if epoch >= m)
+        if epoch < self.warmup_epochs:
+            value *= (2 + steps_done) / (self.warmup_epochs * self.steps_per_epoch)
+        return value
 
 
 class WarmupCosine:
     """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``), then half a cosine down to 0 at the end
-    of ``max_epochs``; called with the optimizer steps taken, the factor for the next step.
-
-    Args:
-        steps_per_epoch: Optimizer steps in one epoch.
-        max_epochs: Length of the run in epochs; the rate reaches 0 at its end.
-        warmup_epochs: Epochs of linear warmup; 0 turns warmup off.
-    """
+    of ``max_epochs``; called with the optimizer steps taken, the factor for the next step."""
 
     def __init__(self, steps_per_epoch: int, max_epochs: int, warmup_epochs: int = 0) -> None:
         if steps_per_epoch < 1:
@@ -74,12 +49,9 @@ class WarmupCosine:
         if max_epochs < 1:
             raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
-            raise ValueError(
-                f"warmup_epochs must be at least 0 and less than max_epochs ({max_epochs}). Got {warmup_epochs}"
-            )
-        self.steps_per_epoch = int(steps_per_epoch)
+            raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
+        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.max_epochs = int(max_epochs)
-        self.warmup_epochs = int(warmup_epochs)
 
     def __call__(self, steps_done: int) -> float:
         warmup = self.warmup_epochs * self.steps_per_epoch

@@ -14,11 +14,8 @@ from lit_imagenet.training.precision import ApexAMP
 
 
 class DefaultStreamDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` that wraps the model in ``DistributedDataParallel`` on the current CUDA stream.
-
-    Lightning wraps it on a side stream, and every backward then warns that the gradient accumulators' stream
-    does not match the backward pass's.
-    """
+    """``DDPStrategy`` that wraps the model on the current CUDA stream: Lightning's side stream makes every backward
+    warn that the gradient accumulators' stream does not match."""
 
     strategy_name = "ddp_default_stream"
 
@@ -30,10 +27,7 @@ class DefaultStreamDDPStrategy(DDPStrategy):
 
 
 class ApexDDPStrategy(DDPStrategy):
-    """Lightning's DDP strategy, but apex's ``amp.initialize`` runs on the bare model before DDP wraps it.
-
-    With any precision plugin other than ``ApexAMP`` it behaves exactly like ``ddp``.
-    """
+    """``ddp``, but with ``ApexAMP`` apex's ``amp.initialize`` runs on the bare model before DDP wraps it."""
 
     strategy_name = "ddp_apex"
 
@@ -49,8 +43,7 @@ class ApexDDPStrategy(DDPStrategy):
             self.model = sync.apply(self.model)
         self.model_to_device()
         self.setup_optimizers(trainer)
-        model, optimizers = self.precision_plugin.initialize(self.model, self.optimizers)
-        self.model, self.optimizers = model, optimizers
+        self.model, self.optimizers = self.precision_plugin.initialize(self.model, self.optimizers)
         self.configure_ddp()
         self.setup_precision_plugin()  # the plugin is initialised already: this only attaches it
 
