@@ -42,10 +42,8 @@ class ImageClassifier(pl.LightningModule):
     Args:
         arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
         num_classes: Number of classes; the command line takes it from the data.
-        weights: Initial weights: ``None`` (random), a torchvision weights name such as ``IMAGENET1K_V2``, or the
-            path of a state dict or checkpoint; a head of another number of classes is replaced.
-        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256`` (batch size x processes x
-            gradient accumulation).
+        weights: ``None`` (random), a torchvision weights name (``IMAGENET1K_V2``) or a state dict/checkpoint path.
+        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``.
         momentum: SGD momentum.
         weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
         warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
@@ -53,18 +51,14 @@ class ImageClassifier(pl.LightningModule):
         lr_gamma: The multiplier at each milestone (``step`` schedule).
         lr_schedule: ``step``: the reference's warmup and step decay at ``milestones``. ``cosine``:
             warmup, then a cosine decay to 0 at the end of ``trainer.max_epochs``, for fine-tuning.
-        freeze_backbone_epochs: Train only the classifier head for this many first epochs: the rest
-            of the network gets no gradients and its batchnorm layers keep their running statistics.
-            Under DDP this needs ``--trainer.strategy ddp_find_unused_parameters_true``.
+        freeze_backbone_epochs: Train only the classifier head for this many first epochs (under DDP this needs
+            ``--trainer.strategy ddp_find_unused_parameters_true``).
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
         channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
         class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
-        compile: Compile the network in place with ``torch.compile`` (checkpoints keep the plain network's
-            parameter names), with static shapes. ``false``: eager. ``true`` (or ``default``): compiled.
-            ``cudagraphs``: compiled and replayed as CUDA graphs (``reduce-overhead``); one process on CUDA
-            without gradient accumulation, else ``default``. ``auto``: ``default`` on CUDA, eager elsewhere.
-            With apex AMP the network runs eager. The compiler's caches go to ``compile_cache`` under the
-            run's root unless ``TORCHINDUCTOR_CACHE_DIR`` is set; the first step's time is logged.
+        compile: ``torch.compile`` the network in place. ``false``: eager. ``true``/``default``: compiled.
+            ``cudagraphs``: ``reduce-overhead`` on one CUDA process without accumulation, else ``default``.
+            ``auto``: ``default`` on CUDA, eager elsewhere. Apex AMP runs eager.
         fused_optimizer: Use the fused CUDA SGD kernel (it also unscales float16 gradients). ``None``: on when the
             parameters are on a CUDA device and the precision is not apex AMP's, which manages the optimizer.
     """
