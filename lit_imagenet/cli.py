@@ -80,12 +80,9 @@ LAUNCHED_RANKS_GRACE = 10.0
 
 
 class EndLaunchedRanks(pl.Callback):
-    """Ends, after an error of this rank, the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
-    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min).
-
-    ``on_exception`` only notes them: the other callbacks' ``on_exception`` (a checkpoint saved by every rank) must run
-    first; ``main`` calls ``end`` once the error has left the trainer.
-    """
+    """Ends the launched ranks still running ``LAUNCHED_RANKS_GRACE`` s after this rank's error (Lightning does on
+    Ctrl-C only; they would wait for the process group's timeout). ``main`` calls ``end`` after the trainer, so that
+    every callback's ``on_exception`` (a checkpoint saved by every rank) runs first."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -434,8 +431,7 @@ def main(
     Args:
         args: The arguments; ``None`` reads ``sys.argv``.
         run: ``False`` only parses and builds the model, data and trainer (no subcommand), as in a notebook.
-        datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
-            and ``num_classes``, and a ``channels_last`` argument.
+        datamodule_class: The ``--data.*`` class; it needs ``classes``, ``num_classes`` and ``channels_last``.
     """
     quiet_third_party()
     warning = untested_version_warning()

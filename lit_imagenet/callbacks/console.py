@@ -77,14 +77,9 @@ _VALIDATION = (("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"
 class ConsoleLog(_EpochMeter):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
-    ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
-    time per batch and images per second (all processes) since the previous line, and the batch's
-    ``train/*_step`` figures. The images per second are also logged as ``train/images_per_sec``. The line is
-    written once the module has logged the batch's figures (at the next batch start, or at the epoch's end),
-    without synchronising the GPU.
-
-    After each validation, once its metrics are reduced over the processes, one line as the reference's
-    `` * Prec@1``: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
+    ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``
+    (images/s of all processes, also logged as ``train/images_per_sec``), written without synchronising the GPU;
+    after each validation: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
 
     Args:
         enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).

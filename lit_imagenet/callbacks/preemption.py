@@ -69,10 +69,9 @@ def slurm_requeues(trainer: pl.Trainer) -> bool:
 
 
 def requeue_slurm_job() -> int:
-    """Puts the SLURM job back in the queue (the first process does); returns the exit status, the same on every
-    process.
+    """Puts the SLURM job back in the queue (the first process does); returns the exit status, the same everywhere.
 
-    The others wait for the requeue: under ``srun --kill-on-bad-exit=1`` one exiting first would get it killed.
+    The others wait for it: under ``srun --kill-on-bad-exit=1`` one exiting first would get the job killed.
     """
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     first = dist.get_rank() == 0 if grouped else os.environ.get("SLURM_PROCID", "0") == "0"
@@ -120,10 +119,8 @@ def torchrun_restart_problem() -> str | None:
 class SigtermConsensus(pl.Callback):
     """Under DDP, stops every rank at the same batch when any of them gets SIGTERM.
 
-    Lightning's handling lets ranks signalled a batch apart stop at different batches (the run hangs), and
-    its per-batch broadcast waits for the GPU. Here every ``check_every_n_steps`` batches the ranks take the
-    maximum of their notes without waiting for the GPU (``DelayedMax``), and all stop at the same batch, up to
-    twice that many batches after the signal. Single-process runs keep Lightning's handling.
+    Lightning's handling can stop ranks at different batches (the run hangs) and waits for the GPU each batch. Here
+    the ranks agree every ``check_every_n_steps`` batches without waiting for the GPU. One process keeps Lightning's.
 
     Args:
         check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps.

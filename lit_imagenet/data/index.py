@@ -1,9 +1,7 @@
 """The samples of a split as numpy arrays, and the index file that later runs read instead of walking the folders.
 
-Loader workers forked from the training process share a ``SampleTable``'s arrays without copying them (a list of
-tuples would be copied page by page as reference counts touch it). The index keeps a scanned split with the
-modification time of every folder scanned: an entry added, removed or renamed changes its folder's time and
-means a rescan. A file rewritten in place is not seen, and is named when it is read, as any bad file is.
+Forked loader workers share a ``SampleTable``'s arrays without copies (reference counts would copy a list of tuples).
+The index keeps each scanned folder's modification time: an entry added, removed or renamed means a rescan.
 """
 
 from __future__ import annotations

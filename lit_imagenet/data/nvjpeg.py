@@ -1,8 +1,6 @@
 """JPEG decoding on the GPU (``--data.decoder nvjpeg``): the workers read the bytes and draw the crops.
 
-Each loader worker reads a JPEG's bytes and header size and takes the crop and flip from the sample's seed
-(``lit_imagenet.data.crops``); a batch is collated as an ``EncodedBatch``, which ``decode`` turns into uint8
-images on the device with one batched ``torchvision.io.decode_jpeg`` call and antialiased bilinear resizes.
+Workers collate bytes and crops into an ``EncodedBatch``, which ``decode`` turns into uint8 images on the device.
 Images left to the workers by ``gpu_share``, and files nvJPEG cannot read, are decoded by the workers.
 """
 

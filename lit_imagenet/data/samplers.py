@@ -127,9 +127,8 @@ def split_sampler(
     """The sampler of a split's loader for this process: training, an ``EpochSeededSampler`` at the restored position
     of a resumed run; evaluation, an ``UnpaddedDistributedSampler`` under DDP, else none.
 
-    A resumed epoch skips the ``processes x batch_size x batches`` samples its checkpoint's run trained, counted
-    with ``saved``'s ``world_size`` and ``batch_size`` (this run's when ``None``); when those differ from this run's,
-    the fit loop's batch counts are moved on to match the rest of the epoch in this run's batches.
+    A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size`` and
+    ``batch_size``, this run's when ``None``); the fit loop's batch counts are moved to this run's batches.
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:

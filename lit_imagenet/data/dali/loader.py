@@ -1,9 +1,7 @@
 """The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``.
 
-The sampler gives the order, each process's shard and each sample's augmentation seed, as for the other decoders;
-each process's reader gets the files of its own shard, so that under DDP every process trains as many batches. A
-training epoch gets a pipeline built from the sampler's order (a resumed epoch starts at the first batch not
-trained); an evaluation loader builds one pipeline and reads it again at each pass.
+The sampler gives the order, shard and augmentation seeds, as for the other decoders. A training epoch gets a
+pipeline built from the sampler's order; an evaluation loader builds one pipeline and reads it at each pass.
 """
 
 from __future__ import annotations
@@ -69,9 +67,8 @@ def batch_dtype(precision: str | None) -> torch.dtype:
 class DALILoader:
     """Batches ``[images, int64 labels]`` from a DALI pipeline, normalised and ready for the model.
 
-    Iterable like a ``DataLoader``, with a ``sampler`` (Lightning sets the epoch of a training sampler), a
-    ``batch_size`` and a length. Images are ``(N, 3, S, S)`` in ``dtype``, channels_last when asked, on ``device``
-    (a CUDA device: DALI's ``mixed`` decoder and GPU operators) or on the CPU.
+    Iterable like a ``DataLoader``, with a ``sampler``, a ``batch_size`` and a length. Images are ``(N, 3, S, S)``
+    in ``dtype`` on ``device`` (CUDA) or on the CPU.
 
     Args:
         samples: ``(path, class index)`` pairs of the split.
@@ -90,7 +87,6 @@ class DALILoader:
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
-            The reader then holds only their files, so that each pass reads them all and its pipeline is kept.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -237,9 +233,8 @@ class DALILoader:
 def _named_error(err: RuntimeError, window: list[str], threads: int) -> Exception:
     """A ``DataError`` naming the file of ``window`` that DALI failed on, or ``err`` when no file is to blame.
 
-    DALI reports a decoding error without the file's name, for a batch that may be a few ahead of the one asked
-    for: those batches' files are decoded again with PIL, and the first that fails is named with PIL's reason. A
-    file that PIL reads but DALI does not is named when DALI's message names it.
+    DALI's decoding errors do not name the file and may come from a batch a few ahead: those files are decoded
+    again with PIL, and the first that fails is named.
     """
 
     def check(path: str) -> DataError | None:
