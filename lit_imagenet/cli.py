@@ -119,8 +119,7 @@ class ImageNetCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path,
-        # whose hyperparameters LightningCLI has put in the model's config.
+        # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path.
         parser.link_arguments(
             "data.num_classes", "model.num_classes", self._from_data_or_model("num_classes"), apply_on="instantiate"
         )
@@ -160,8 +159,7 @@ class ImageNetCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
         if self.subcommand not in (None, "fit"):
-            # Evaluating or predicting writes no run: no config.yaml, and the checkpoint callbacks, which save
-            # nothing here, need not say that the checkpoint was saved from another folder.
+            # Evaluating or predicting writes no run: no config.yaml, no checkpoint callback warnings.
             self.save_config_callback = None
             warnings.filterwarnings("ignore", message="The dirpath has changed from")
         trainer_config = dict(config.get("trainer") or {})
@@ -176,11 +174,9 @@ class ImageNetCLI(LightningCLI):
     def before_predict(self) -> None:
         config = self.config_init[self.subcommand]
         if config.get("return_predictions") is None:
-            # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
-            # in host memory until the end. --return_predictions true brings that back.
+            # The PredictionWriter writes as it goes; Lightning would also keep every batch's output in host memory.
             config["return_predictions"] = False
-        # Predict logs nowhere: predictions.csv goes into the run of the checkpoint (the folder above its
-        # checkpoints/), or into --trainer.default_root_dir without one.
+        # Predict logs nowhere: predictions.csv goes into the checkpoint's run, else --trainer.default_root_dir.
         ckpt_path = config.get("ckpt_path")
         folder = Path(ckpt_path).parent if ckpt_path else Path(self.trainer.default_root_dir)
         folder = folder.parent if ckpt_path and folder.name == "checkpoints" else folder
@@ -217,8 +213,7 @@ class ImageNetCLI(LightningCLI):
         problem = _cannot_continue(trainer, self.model, epoch, step, hparams)
         if problem:
             raise ConfigError(f"{path} (epoch {epoch}, step {step}) cannot continue here: {problem}.")
-        # Continued in its own folder, the checkpoint folder is expected to hold files: Lightning's warning says
-        # that this run could overwrite another's.
+        # Continued in its own folder, the checkpoint folder is expected to hold files: no Lightning warning.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         if trainer.is_global_zero:
             print(f"Resuming from {path} (epoch {epoch}, step {step}).", flush=True)
@@ -247,8 +242,7 @@ class ImageNetCLI(LightningCLI):
         if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
         if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
-            # The checkpoint replaces every weight: the initial weights (maybe a file of another machine) are
-            # not loaded. With "last" there may be no checkpoint yet (a job's first launch): they are kept.
+            # The checkpoint replaces every weight, so the initial weights are not loaded (unless "last" finds none).
             config.model.weights = None
 
     def after_fit(self) -> None:
@@ -464,6 +458,5 @@ def main(
     finally:
         ender.end()
         if run and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter shutdown, the process group's threads can abort the process, and the exit
-            # status would no longer say whether the run finished.
+            # Left to interpreter shutdown, the process group's threads can abort the process and its exit status.
             torch.distributed.destroy_process_group()

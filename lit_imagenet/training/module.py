@@ -219,14 +219,11 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.update(loss.detach())
         self.train_metrics.update(logits.detach(), targets)
         if attached_trainer(self) is None or self._logs_this_step(batch_idx):
-            # Metric objects are logged so that Lightning computes them (and syncs them across ranks)
-            # once per epoch. Logging at every step would cost host time that a fast GPU waits for.
+            # Metric objects are logged so that Lightning computes and syncs them once per epoch, not every step.
             self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
             for name, metric in self.train_metrics.items():
                 self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
-            # This batch's figures go to the host now and are logged in on_train_batch_end: by then the
-            # backward pass and the optimizer step are queued, and the GPU works on them while the host
-            # waits for these values, where logging the GPU tensors would wait for the whole queue.
+            # Copied to the host now, logged in on_train_batch_end once backward and step are queued: no GPU wait.
             logits, ks = logits.detach(), [metric.k for metric in self.train_metrics.values()]
             figures = [loss.detach().float(), *(topk_hits(logits, targets, k).float().mean() for k in ks)]
             self._step_figures = copy_to_host(torch.stack(figures))
@@ -283,8 +280,7 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        # The rates depend on the training loader, which loaded this early would draw batches before a checkpoint's
-        # loop state is restored (a resumed run would restart its epoch): ``on_train_start`` sets them.
+        # The rates need the training loader, which loaded this early would restart a resumed epoch: see on_train_start.
         hp = self.hparams
         fused = bool(self._sgd_implementation().get("fused"))
         head = models.head_parameters(self.model, self.head_name)
@@ -364,8 +360,7 @@ class ImageClassifier(pl.LightningModule):
             # An epoch cut short by max_steps, max_time or an early stop goes on from its next batch when resumed.
             record_cut_epoch_as_unfinished(self.trainer, checkpoint)
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
-            # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.
+            # Saved at an epoch's end (before Lightning resets the metrics): the resumed run's new epoch starts empty.
             state = checkpoint.get("state_dict", {})
             for prefix, metric in self.named_modules():
                 if prefix.startswith(("train_loss", "train_metrics.")) and isinstance(metric, Metric):
