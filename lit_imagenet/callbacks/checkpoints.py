@@ -38,8 +38,7 @@ class CheckpointWriteError(OSError):
 def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
     """Removes the temporary files that processes killed mid-write left in ``folder``, with one line each.
 
-    Only files last written before this process began are removed: a newer one may be another process's write.
-    Returns the paths and sizes removed.
+    Only files older than this process are removed (a newer one may be another's write); returns paths and sizes.
     """
     removed = []
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
@@ -198,8 +197,7 @@ class StepCheckpoint(ModelCheckpoint):
     @property
     @override
     def state_key(self) -> str:
-        # One per trainer. Lightning's key holds the interval and the step count: a run resumed with others would
-        # not find this callback's state, and would warn about it.
+        # One per trainer; Lightning's key holds the interval, so a resume with another would lose the state.
         return type(self).__qualname__
 
     @override

@@ -37,13 +37,11 @@ def quiet_third_party() -> None:
         "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
         r"pytorch_lightning\.utilities\._pytree",
     )  # fmt: skip
-    # validate and predict save no checkpoint, and a resumed fit keeps its own best and last: the "state won't be
-    # reloaded" note about another run's folder concerns nothing this run writes.
+    # The "state won't be reloaded" note about another run's folder concerns nothing this run writes.
     warnings.filterwarnings("ignore", r"The dirpath has changed from", UserWarning, r"pytorch_lightning\.callbacks")
     # Printed where --seed_everything is unset (predict): "Seed set to 0" follows anyway, and predict draws nothing.
     warnings.filterwarnings("ignore", r"No seed found, seed set to", module=r"lightning_fabric\.utilities\.seed")
-    # Printed on every machine with srun: the package's SLURM runs start through sbatch (scripts/), whose srun
-    # line launches them; a run started by hand is meant to run where it is.
+    # Printed on every machine with srun: SLURM runs start through scripts/, a run started by hand runs where it is.
     warnings.filterwarnings(
         "ignore", r"The `srun` command is available on your system but is not used",
         module=r"lightning_fabric\.plugins\.environments\.slurm",

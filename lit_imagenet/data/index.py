@@ -264,8 +264,7 @@ def _warn(message: str) -> None:
 def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], Scan]) -> Scan:
     """``scan(split_dir)``, or the index of an earlier scan in ``index_dir`` when the folders did not change.
 
-    Under a lock on the index, so that of the processes starting together one scans and the others read its
-    file. A damaged or unwritable index costs one warning line. ``index_dir`` ``None`` scans every time.
+    Under a lock, so that one process scans and the others read its file. ``index_dir`` ``None`` scans every time.
     """
     if index_dir is None:
         return scan(split_dir)

@@ -89,8 +89,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
-    The encoded files lie end to end in one tensor, ``blob``: a tensor per image would hold a shared-memory
-    file descriptor each on its way from the worker.
+    The encoded files lie end to end in ``blob``: a tensor per image would hold a shared-memory file descriptor each.
 
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
@@ -135,8 +134,6 @@ class EncodedBatch:
 
     def decode(self, device: torch.device | str) -> list[Tensor]:
         """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
-
-        Runs on the current CUDA stream (the prefetcher's decode stream when it calls this).
 
         Raises:
             DataError: An image cannot be decoded; the message names the file.

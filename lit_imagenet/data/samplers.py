@@ -26,9 +26,8 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
 def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0) -> np.ndarray:
     """The sample indices of ``rank`` in ``epoch``, after the epoch's first ``done`` samples (over all processes).
 
-    The epoch's permutation is fixed by ``seed + epoch``; the samples after its first ``done`` are padded with its
-    first ones to a multiple of ``replicas`` and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s
-    order when ``done`` is 0), whatever the number of processes that trained the first ``done``.
+    The permutation is fixed by ``seed + epoch``; the rest after ``done`` is padded to a multiple of ``replicas``
+    and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0).
     """
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
@@ -43,8 +42,7 @@ def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done
 class EpochSeededSampler(DistributedSampler):
     """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
 
-    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``. ``resume_at``
-    makes the next pass over ``epoch`` start after the samples already trained on.
+    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``.
 
     Args:
         dataset: The training dataset.

@@ -28,8 +28,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 HW_DECODER_LOAD = 0.65
-# Batches DALI may have read beyond the one it hands over when an error surfaces: its output queue
-# (prefetch_queue_depth, 2 by default) and the file reader's own queue.
+# Batches DALI may have read beyond the one it hands over when an error surfaces (its queue and the reader's).
 _BATCHES_AHEAD = 3
 
 
