@@ -53,8 +53,7 @@ from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers d
 
 
 def _log_into_root_dir(trainer_config: Namespace | None) -> None:
-    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (checkpoints follow the logger):
-    a logger given in a config is built before the trainer and would write to its own default folder."""
+    """Points a config's ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (built before it)."""
     if trainer_config is None:
         return
     loggers = trainer_config.get("logger")

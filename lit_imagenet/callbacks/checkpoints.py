@@ -140,9 +140,8 @@ class AtomicCheckpoints(pl.Callback):
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` (the best by ``monitor``, and ``last.ckpt``), whose ``last.ckpt`` is written
-    at the end of every training epoch, also when the best did not improve: Lightning 2.6 writes it only along with a
-    new best, and a resume from a stale ``last.ckpt`` would train an epoch again."""
+    """Lightning's ``ModelCheckpoint`` whose ``last.ckpt`` is written at every training epoch's end, also when the
+    best did not improve (a resume from a stale ``last.ckpt`` would train an epoch again)."""
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -40,8 +40,7 @@ DEFAULT_WORKERS = min(4, usable_cores())
 
 
 def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
-    """The decoder ``auto`` stands for, and why: on one CUDA process DALI when it imports, else nvJPEG; on
-    several nvJPEG (faster there, ``docs/benchmarks.md``); without CUDA, PIL."""
+    """What ``auto`` stands for, and why: on one CUDA process DALI if installed, else on CUDA nvJPEG, else PIL."""
     if not on_cuda:
         return "pil", "the run is not on a CUDA device"
     if processes > 1:

@@ -1,5 +1,4 @@
-"""Datasets of ``(image, label)`` samples, collated into uint8 batches (apex's ``fast_collate``): conversion to float
-and normalisation happen on the GPU (``data.prefetch``), not in the workers."""
+"""Datasets of ``(image, label)`` samples, collated into uint8 batches to be normalised on the GPU."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Decoding images on the CPU (``load_rgb``: PIL; ``load_rgb_tensor``: ``torchvision.io``), a file's bytes and its
-header size. Every failure raises ``DataError`` naming the file."""
+"""Decoding images on the CPU, a file's bytes, its header size. Every failure raises ``DataError`` naming the file."""
 
 from __future__ import annotations
 

@@ -172,8 +172,7 @@ def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int
 
 @functools.cache
 def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[int], int], Tensor]:
-    """``resize_crops`` compiled by TorchScript (its loop then runs without taking the GIL per operator, which
-    the training thread holds), or itself where TorchScript is not available."""
+    """``resize_crops`` compiled by TorchScript (so its loop does not take the GIL per operator), else itself."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript is deprecated in favour of torch.compile, which

@@ -86,8 +86,7 @@ def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterato
 
 
 def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
-    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (``(epoch, 0)`` unless
-    restarting); Lightning restores it before it asks for the loader."""
+    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (restored before the loader)."""
     loop = trainer.fit_loop
     if not loop.restarting:
         return trainer.current_epoch, 0
@@ -99,8 +98,7 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
-    """Gives each rank every ``num_replicas``-th sample without padding (``DistributedSampler`` repeats samples), so
-    that every sample is seen once and summed validation metrics are exact."""
+    """Gives each rank every ``num_replicas``-th sample without padding, so that summed validation metrics are exact."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)

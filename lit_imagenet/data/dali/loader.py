@@ -58,8 +58,7 @@ def import_dali() -> ModuleType:
 
 
 def batch_dtype(precision: str | None) -> torch.dtype:
-    """The dtype of DALI's batches for a Lightning precision: float16 for ``16-*``, else float32 (DALI has no
-    bfloat16 output; autocast or ``bf16-true`` converts float32)."""
+    """The dtype of DALI's batches for a Lightning precision: float16 for ``16-*``, else float32 (DALI has no bf16)."""
     return torch.float16 if str(precision).startswith("16") else torch.float32
 
 

@@ -45,8 +45,7 @@ class GeometrySource(_Source):
 
 
 class CropSource(_Source):
-    """The external source of a training pipeline: each batch's crop windows and flips, from the samples' ``seeds``
-    (``crop_draws``) and the ``scale`` of their area."""
+    """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``."""
 
     def __init__(
         self,
