@@ -397,8 +397,7 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value that the command line ``args`` (without the program's name) give to a model argument
-    that the data sets, or ``None``: jsonargparse would drop one given in a config file without a word."""
+    """The error for ``args`` giving a model argument that the data sets (a config's is dropped silently), or None."""
     for i, arg in enumerate(args):
         key, equals, value = arg.partition("=")
         if key.startswith("-c") and not key.startswith("--") and len(key) > 2:  # -cFILE

@@ -1,7 +1,4 @@
-"""Watching a run from the console: the step lines, each epoch's throughput, the learning rates.
-
-None of these waits for the GPU during an epoch; ``Throughput`` synchronises at an epoch's start and end only.
-"""
+"""The console's step lines, each epoch's throughput, the learning rates: none waits for the GPU mid-epoch."""
 
 from __future__ import annotations
 
@@ -28,10 +25,7 @@ class _DropTip(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Silences the third-party warnings and lines that tell this package's user nothing they can act on.
-
-    Each is matched by its message and the module that issues it, so that any other warning still shows.
-    """
+    """Silences third-party warnings and lines the user cannot act on, each matched by message and module."""
     # Lightning's deprecated ``LeafSpec`` use in its own code: nothing the user can change.
     warnings.filterwarnings(
         "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,

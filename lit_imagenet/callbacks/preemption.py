@@ -1,7 +1,6 @@
 """Stopping a run cleanly when its machines are taken back: SLURM's requeue signal, SIGTERM under DDP, torchrun.
 
-Under SLURM the requeue signal only sets a flag; ``StepCheckpoint`` stops every process after the same training step,
-saves ``last-step.ckpt`` and ``requeue_slurm_job`` puts the job back in the queue, to resume with ``--ckpt_path last``.
+Under SLURM ``StepCheckpoint`` saves after the same step on every process and ``requeue_slurm_job`` requeues the job.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def _note_requeue_signal(signum: int, frame: FrameType | None) -> None:
 def catch_requeue_signal() -> bool:
     """Under SLURM, makes the requeue signal only set a flag from now on; ``StepCheckpoint`` acts on it.
 
-    Lightning's handler saves from inside the signal handler, mid-step; finding this one, it installs none.
-    Returns whether it was installed.
+    Lightning's handler would save mid-step; finding this one, it installs none. Returns whether it was installed.
     """
     if not SLURMEnvironment.detect() or threading.current_thread() is not threading.main_thread():
         return False

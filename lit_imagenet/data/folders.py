@@ -1,7 +1,6 @@
 """The ImageFolder layout: the class folders of a split, their images, and the checks made before training.
 
-A missing split, an empty class folder, an empty or non-image file, or train and val splits with different classes
-stop the run before training with a ``DataError`` naming the thing. Scans are kept in an index (``data.index``).
+Every bad layout stops the run before training with a ``DataError`` naming the thing.
 """
 
 from __future__ import annotations

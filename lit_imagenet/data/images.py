@@ -152,8 +152,7 @@ class ImageSizes:
         return self.sizes[indices]
 
     def read_ahead(self, order: np.ndarray, start: int = 0) -> None:
-        """Starts reading the headers of samples ``order[start:]`` not read yet, in order, for ``get`` calls that ask
-        for ``order`` from its start (the first ``start`` are read by ``get`` itself); the last such reading stops."""
+        """Stops the last read-ahead; a worker reads the headers of ``order[start:]`` not read yet, for ``get``."""
         self.stop()
         order = np.asarray(order[start:], dtype=np.int64)
         order = order[self.sizes[order, 0] == 0]

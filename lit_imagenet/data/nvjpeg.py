@@ -43,12 +43,8 @@ class EncodedImageFolderDataset(ImageFolderDataset):
     """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
 
     Args:
-        samples: ``(path, class index)`` pairs.
         transform: The CPU transform for the images decoded here.
-        train: Random crop and flip (training) or resize and centre crop (evaluation).
-        crop_size: Side of the output images.
-        crop_scale: Range of the crop's area, as for RandomResizedCrop.
-        val_resize: Short side before the evaluation centre crop.
+        samples, train, crop_size, crop_scale, val_resize: As in ``DALILoader``.
         gpu_share: Fraction of the images decoded on the GPU.
     """
 

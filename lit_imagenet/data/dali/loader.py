@@ -200,8 +200,7 @@ class DALILoader:
         return self._active
 
     def _batches(self) -> Generator[list[Tensor], None, None]:
-        """The batches of one pass. Lightning stops asking once it has the last one (it counts them), so the
-        pass ends at that batch: an evaluation pipeline that read all its files is rewound and kept for the next."""
+        """The batches of one pass; an evaluation pipeline that read all its files is rewound for the next."""
         indices, seeds = self._order()
         kept, self._kept = self._kept, None
         source = kept[0] if kept is not None and np.array_equal(kept[1], indices) else None

@@ -83,9 +83,8 @@ def build_pipeline(
     std: Sequence[float],
     hw_decoder_load: float,
 ) -> Any:
-    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches:
-    ``source``'s crops resized to ``crop_size`` squared and mirrored (a ``CropSource``), or the whole image resized
-    and centre-cropped (a ``GeometrySource``). ``device_id`` ``None`` runs it on the CPU."""
+    """A DALI pipeline yielding ``(images, labels)`` batches of ``files`` in order, cropped as ``source`` says
+    (``CropSource``: resized crops and flips; ``GeometrySource``: centre crops). ``device_id`` ``None``: on the CPU."""
     from nvidia.dali import fn, pipeline_def, types
 
     cuda = device_id is not None
