@@ -216,8 +216,7 @@ class Throughput(_EpochMeter):
 class LearningRateLog(pl.Callback):
     """Logs each optimizer's learning rates on Lightning's log steps, or at the start of each epoch.
 
-    The names are ``LearningRateMonitor``'s (``lr-SGD``, ``lr-SGD/pg1``...); unlike it, this keeps the figures
-    on the host, where its copies to the GPU wait for the GPU's queued work.
+    The names are ``LearningRateMonitor``'s (``lr-SGD``, ``lr-SGD/pg1``...); unlike it, this never waits for the GPU.
 
     Args:
         logging_interval: ``step``: on Lightning's log steps; ``epoch``: at the start of each training epoch.

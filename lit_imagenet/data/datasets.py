@@ -49,8 +49,7 @@ class ImageFolderDataset(Dataset):
 def collate_uint8(
     batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
 ) -> list[Tensor]:
-    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W),
-    int64 (N,)]``; channels_last batches are written straight into an NHWC buffer."""
+    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 NCHW, int64 (N,)]``."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)

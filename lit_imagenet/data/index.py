@@ -126,8 +126,7 @@ class SampleTable(Sequence[tuple[str, int]]):
 
 @dataclass
 class Scan:
-    """A scanned split: its class names, its samples, the ``st_mtime_ns`` of each folder read (by its path relative
-    to the split, ``"."`` for the split) and the wall clock when the scan began."""
+    """A scanned split: class names, samples, each folder's ``st_mtime_ns`` (``"."``: the split) and its start time."""
 
     classes: list[str]
     samples: SampleTable

@@ -152,8 +152,7 @@ class EncodedBatch:
 
 
 def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int], size: int) -> Tensor:
-    """Cuts ``boxes[k]`` (top, left, height, width) from each uint8 ``(3, H, W)`` picture, resizes it to ``size``
-    squared (antialiased bilinear), rounds it and mirrors the pictures in ``flips``: a uint8 ``(N, 3, size, size)``."""
+    """Crops ``boxes[k]`` (top, left, height, width), resizes to ``size`` squared and mirrors ``flips``: uint8 NCHW."""
     resized = torch.empty((len(pictures), 3, size, size), dtype=torch.float32, device=pictures[0].device)
     for k in range(len(pictures)):
         box = boxes[k]

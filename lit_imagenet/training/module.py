@@ -326,8 +326,7 @@ class ImageClassifier(pl.LightningModule):
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
     ) -> None:
-        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid,
-        at the rate of this run's global batch (the data module has moved the fit loop's batch count)."""
+        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid."""
         epoch = self.trainer.current_epoch
         done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
         before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]

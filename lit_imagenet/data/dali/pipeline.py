@@ -17,8 +17,7 @@ from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, fli
 
 
 class _Source:
-    """An external source: per batch ``i``, the rows of ``indices`` (the samples the reader reads, in its order) that
-    it reads; like the reader, the last batch is padded with the last sample and the next starts over."""
+    """An external source: per batch ``i``, the rows of ``indices`` the reader reads, padded like the reader's."""
 
     def __init__(self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int) -> None:
         self.indices = indices
