@@ -59,8 +59,7 @@ class ApexAMP(Precision):
     Use with one process, or with ``--trainer.strategy ddp_apex`` for several; gradient accumulation is refused.
 
     Args:
-        opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 model with fp32 master
-            weights; ``O3`` pure fp16.
+        opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 with fp32 master weights; ``O3`` fp16.
         keep_batchnorm_fp32: Keep batch norm in float32 (apex's default: on for O2, off for O3).
         loss_scale: A fixed loss scale, or ``"dynamic"`` (apex's default for O1-O2).
     """
