@@ -53,8 +53,7 @@ from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers d
 
 
 def _log_into_root_dir(trainer_config: Namespace | None) -> None:
-    """Points a ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (checkpoints follow the logger):
-    a logger given in a config is built before the trainer and would write to its own default folder."""
+    """Points a config's ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (built before it)."""
     if trainer_config is None:
         return
     loggers = trainer_config.get("logger")
@@ -80,12 +79,9 @@ LAUNCHED_RANKS_GRACE = 10.0
 
 
 class EndLaunchedRanks(pl.Callback):
-    """Ends, after an error of this rank, the ranks Lightning's launcher started that still run ``LAUNCHED_RANKS_GRACE``
-    seconds later: Lightning does on Ctrl-C only, and they would wait until the process group's timeout (30 min).
-
-    ``on_exception`` only notes them: the other callbacks' ``on_exception`` (a checkpoint saved by every rank) must run
-    first; ``main`` calls ``end`` once the error has left the trainer.
-    """
+    """Ends the launched ranks still running ``LAUNCHED_RANKS_GRACE`` s after this rank's error (Lightning does on
+    Ctrl-C only; they would wait for the process group's timeout). ``main`` calls ``end`` after the trainer, so that
+    every callback's ``on_exception`` (a checkpoint saved by every rank) runs first."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
@@ -122,8 +118,7 @@ class ImageNetCLI(LightningCLI):
 
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path,
-        # whose hyperparameters LightningCLI has put in the model's config.
+        # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path.
         parser.link_arguments(
             "data.num_classes", "model.num_classes", self._from_data_or_model("num_classes"), apply_on="instantiate"
         )
@@ -163,8 +158,7 @@ class ImageNetCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
         if self.subcommand not in (None, "fit"):
-            # Evaluating or predicting writes no run: no config.yaml, and the checkpoint callbacks, which save
-            # nothing here, need not say that the checkpoint was saved from another folder.
+            # Evaluating or predicting writes no run: no config.yaml, no checkpoint callback warnings.
             self.save_config_callback = None
             warnings.filterwarnings("ignore", message="The dirpath has changed from")
         trainer_config = dict(config.get("trainer") or {})
@@ -179,11 +173,9 @@ class ImageNetCLI(LightningCLI):
     def before_predict(self) -> None:
         config = self.config_init[self.subcommand]
         if config.get("return_predictions") is None:
-            # The PredictionWriter writes as it goes; Lightning would also keep every batch's probabilities
-            # in host memory until the end. --return_predictions true brings that back.
+            # The PredictionWriter writes as it goes; Lightning would also keep every batch's output in host memory.
             config["return_predictions"] = False
-        # Predict logs nowhere: predictions.csv goes into the run of the checkpoint (the folder above its
-        # checkpoints/), or into --trainer.default_root_dir without one.
+        # Predict logs nowhere: predictions.csv goes into the checkpoint's run, else --trainer.default_root_dir.
         ckpt_path = config.get("ckpt_path")
         folder = Path(ckpt_path).parent if ckpt_path else Path(self.trainer.default_root_dir)
         folder = folder.parent if ckpt_path and folder.name == "checkpoints" else folder
@@ -220,8 +212,7 @@ class ImageNetCLI(LightningCLI):
         problem = _cannot_continue(trainer, self.model, epoch, step, hparams)
         if problem:
             raise ConfigError(f"{path} (epoch {epoch}, step {step}) cannot continue here: {problem}.")
-        # Continued in its own folder, the checkpoint folder is expected to hold files: Lightning's warning says
-        # that this run could overwrite another's.
+        # Continued in its own folder, the checkpoint folder is expected to hold files: no Lightning warning.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         if trainer.is_global_zero:
             print(f"Resuming from {path} (epoch {epoch}, step {step}).", flush=True)
@@ -250,8 +241,7 @@ class ImageNetCLI(LightningCLI):
         if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
             raise DataError("The number of classes is unknown; give --ckpt_path of a trained model or --data.root.")
         if config.get("ckpt_path") not in (None, "last") and config.get("model") is not None:
-            # The checkpoint replaces every weight: the initial weights (maybe a file of another machine) are
-            # not loaded. With "last" there may be no checkpoint yet (a job's first launch): they are kept.
+            # The checkpoint replaces every weight, so the initial weights are not loaded (unless "last" finds none).
             config.model.weights = None
 
     def after_fit(self) -> None:
@@ -407,8 +397,7 @@ def _yaml_mapping(value: str) -> dict[str, Any] | None:
 
 
 def linked_model_argument(args: list[str]) -> str | None:
-    """The sentence for a value that the command line ``args`` (without the program's name) give to a model argument
-    that the data sets, or ``None``: jsonargparse would drop one given in a config file without a word."""
+    """The error for ``args`` giving a model argument that the data sets (a config's is dropped silently), or None."""
     for i, arg in enumerate(args):
         key, equals, value = arg.partition("=")
         if key.startswith("-c") and not key.startswith("--") and len(key) > 2:  # -cFILE
@@ -434,8 +423,7 @@ def main(
     Args:
         args: The arguments; ``None`` reads ``sys.argv``.
         run: ``False`` only parses and builds the model, data and trainer (no subcommand), as in a notebook.
-        datamodule_class: The data module whose arguments are ``--data.*``; it must provide ``classes``
-            and ``num_classes``, and a ``channels_last`` argument.
+        datamodule_class: The ``--data.*`` class; it needs ``classes``, ``num_classes`` and ``channels_last``.
     """
     quiet_third_party()
     warning = untested_version_warning()
@@ -468,6 +456,5 @@ def main(
     finally:
         ender.end()
         if run and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Left to interpreter shutdown, the process group's threads can abort the process, and the exit
-            # status would no longer say whether the run finished.
+            # Left to interpreter shutdown, the process group's threads can abort the process and its exit status.
             torch.distributed.destroy_process_group()

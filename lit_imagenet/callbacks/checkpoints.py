@@ -38,8 +38,7 @@ class CheckpointWriteError(OSError):
 def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
     """Removes the temporary files that processes killed mid-write left in ``folder``, with one line each.
 
-    Only files last written before this process began are removed: a newer one may be another process's write.
-    Returns the paths and sizes removed.
+    Only files older than this process are removed (a newer one may be another's write); returns paths and sizes.
     """
     removed = []
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
@@ -79,8 +78,7 @@ def _fsync_dir(folder: str) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Saves local checkpoints all-or-nothing: a temporary file in the target's folder, fsync, ``os.replace``.
 
-    A process killed mid-write or a full disk leaves the previous checkpoint intact; the next save into the
-    folder removes what a killed write left. Remote paths (``s3://``...) use Lightning's writer.
+    A killed write or a full disk leaves the previous checkpoint intact. Remote paths use Lightning's writer.
 
     Raises:
         CheckpointWriteError: The disk or quota is full.
@@ -142,9 +140,8 @@ class AtomicCheckpoints(pl.Callback):
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """Lightning's ``ModelCheckpoint`` (the best by ``monitor``, and ``last.ckpt``), whose ``last.ckpt`` is written
-    at the end of every training epoch, also when the best did not improve: Lightning 2.6 writes it only along with a
-    new best, and a resume from a stale ``last.ckpt`` would train an epoch again."""
+    """Lightning's ``ModelCheckpoint`` whose ``last.ckpt`` is written at every training epoch's end, also when the
+    best did not improve (a resume from a stale ``last.ckpt`` would train an epoch again)."""
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -157,18 +154,13 @@ class BestCheckpoint(ModelCheckpoint):
 
 
 class StepCheckpoint(ModelCheckpoint):
-    """Saves ``last-step.ckpt`` every ``train_time_interval`` of training (or every ``every_n_train_steps`` optimizer
-    steps), on SIGTERM and on SLURM's requeue signal.
-
-    The file is overwritten each time; ``--ckpt_path last`` resumes from the newest ``last*.ckpt``, so a run killed
-    outright loses at most the interval. After ``catch_requeue_signal``, the processes agree after each optimizer
-    step whether any got the signal, so that all stop after the same step.
+    """Overwrites ``last-step.ckpt`` every ``train_time_interval`` (or ``every_n_train_steps``), on SIGTERM and on
+    SLURM's requeue signal, after which every process stops after the same optimizer step.
 
     Args:
         every_n_train_steps: Save every this many optimizer steps instead of every ``train_time_interval``; 0: by time.
-        train_time_interval: Save when this much time has passed since the last save, checked after each optimizer
-            step (on log steps only under DDP; ``H:MM:SS`` on the command line); ``None`` (with
-            ``every_n_train_steps`` 0): only on a signal.
+        train_time_interval: Time between saves (``H:MM:SS``), checked on optimizer steps (log steps under DDP);
+            ``None`` with ``every_n_train_steps`` 0: only on a signal.
         save_on_sigterm: Save when the process gets SIGTERM, before it exits.
         dirpath: Folder of the checkpoint; ``None``: the ``checkpoints`` folder of the run's logs.
     """
@@ -204,8 +196,7 @@ class StepCheckpoint(ModelCheckpoint):
     @property
     @override
     def state_key(self) -> str:
-        # One per trainer. Lightning's key holds the interval and the step count: a run resumed with others would
-        # not find this callback's state, and would warn about it.
+        # One per trainer; Lightning's key holds the interval, so a resume with another would lose the state.
         return type(self).__qualname__
 
     @override

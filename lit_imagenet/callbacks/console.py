@@ -1,7 +1,4 @@
-"""Watching a run from the console: the step lines, each epoch's throughput, the learning rates.
-
-None of these waits for the GPU during an epoch; ``Throughput`` synchronises at an epoch's start and end only.
-"""
+"""The console's step lines, each epoch's throughput, the learning rates: none waits for the GPU mid-epoch."""
 
 from __future__ import annotations
 
@@ -28,22 +25,17 @@ class _DropTip(logging.Filter):
 
 
 def quiet_third_party() -> None:
-    """Silences the third-party warnings and lines that tell this package's user nothing they can act on.
-
-    Each is matched by its message and the module that issues it, so that any other warning still shows.
-    """
+    """Silences third-party warnings and lines the user cannot act on, each matched by message and module."""
     # Lightning's deprecated ``LeafSpec`` use in its own code: nothing the user can change.
     warnings.filterwarnings(
         "ignore", r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning,
         r"pytorch_lightning\.utilities\._pytree",
     )  # fmt: skip
-    # validate and predict save no checkpoint, and a resumed fit keeps its own best and last: the "state won't be
-    # reloaded" note about another run's folder concerns nothing this run writes.
+    # The "state won't be reloaded" note about another run's folder concerns nothing this run writes.
     warnings.filterwarnings("ignore", r"The dirpath has changed from", UserWarning, r"pytorch_lightning\.callbacks")
     # Printed where --seed_everything is unset (predict): "Seed set to 0" follows anyway, and predict draws nothing.
     warnings.filterwarnings("ignore", r"No seed found, seed set to", module=r"lightning_fabric\.utilities\.seed")
-    # Printed on every machine with srun: the package's SLURM runs start through sbatch (scripts/), whose srun
-    # line launches them; a run started by hand is meant to run where it is.
+    # Printed on every machine with srun: SLURM runs start through scripts/, a run started by hand runs where it is.
     warnings.filterwarnings(
         "ignore", r"The `srun` command is available on your system but is not used",
         module=r"lightning_fabric\.plugins\.environments\.slurm",
@@ -77,14 +69,9 @@ _VALIDATION = (("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"
 class ConsoleLog(_EpochMeter):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
-    ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``:
-    time per batch and images per second (all processes) since the previous line, and the batch's
-    ``train/*_step`` figures. The images per second are also logged as ``train/images_per_sec``. The line is
-    written once the module has logged the batch's figures (at the next batch start, or at the epoch's end),
-    without synchronising the GPU.
-
-    After each validation, once its metrics are reduced over the processes, one line as the reference's
-    `` * Prec@1``: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
+    ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``
+    (images/s of all processes, also logged as ``train/images_per_sec``), written without synchronising the GPU;
+    after each validation: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
 
     Args:
         enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).
@@ -229,8 +216,7 @@ class Throughput(_EpochMeter):
 class LearningRateLog(pl.Callback):
     """Logs each optimizer's learning rates on Lightning's log steps, or at the start of each epoch.
 
-    The names are ``LearningRateMonitor``'s (``lr-SGD``, ``lr-SGD/pg1``...); unlike it, this keeps the figures
-    on the host, where its copies to the GPU wait for the GPU's queued work.
+    The names are ``LearningRateMonitor``'s (``lr-SGD``, ``lr-SGD/pg1``...); unlike it, this never waits for the GPU.
 
     Args:
         logging_interval: ``step``: on Lightning's log steps; ``epoch``: at the start of each training epoch.

@@ -14,10 +14,7 @@ from typing_extensions import override
 
 
 class RunLogger(CSVLogger):
-    """A ``CSVLogger`` that also writes TensorBoard event files into the same ``save_dir/name/version_N`` folder.
-
-    A run continued in its folder appends to its ``metrics.csv``. The command line logs straight into
-    ``--trainer.default_root_dir`` (``name`` and ``version`` empty).
+    """A ``CSVLogger`` that also writes TensorBoard files into its folder; a continued run appends to ``metrics.csv``.
 
     Args:
         save_dir: Folder of the logs. ``None``: ``--trainer.default_root_dir`` on the command line, else ``runs``.

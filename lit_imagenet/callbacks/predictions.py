@@ -18,15 +18,12 @@ from lit_imagenet.callbacks.console import console_print
 class PredictionWriter(BasePredictionWriter):
     """Writes the top classes of every predicted image to a CSV file, one row per image in file order.
 
-    Columns: ``path``, then ``class_1``, ``prob_1``, ... ``class_k``, ``prob_k``, most probable first.
-    ``predict_step`` returns ``{"probs": (N, classes), "index": (N,)}``, ``index`` being each image's position
-    in the data module's ``samples("predict")``; classes are named by the model's ``class_names``, if any.
-    Under DDP rank 0 gathers every rank's rows and writes the one file.
+    Columns: ``path``, then ``class_1``, ``prob_1``, ... ``class_k``, ``prob_k``, most probable first. Takes
+    ``predict_step``'s ``{"probs": (N, classes), "index": (N,)}``; under DDP rank 0 writes every rank's rows.
 
     Args:
-        output: The CSV file to write. ``None``: ``predictions.csv`` in the run folder of ``--ckpt_path`` (else
-            ``--trainer.default_root_dir``) on the command line; in a notebook, the trainer's log folder, or the
-            working directory when there is no logger.
+        output: The CSV file. ``None``: ``predictions.csv`` in the run folder of ``--ckpt_path`` (else the
+            trainer's root or log folder, else the working directory).
         top_k: How many of the most probable classes to write per image.
     """
 

@@ -1,7 +1,6 @@
 """Stopping a run cleanly when its machines are taken back: SLURM's requeue signal, SIGTERM under DDP, torchrun.
 
-Under SLURM the requeue signal only sets a flag; ``StepCheckpoint`` stops every process after the same training step,
-saves ``last-step.ckpt`` and ``requeue_slurm_job`` puts the job back in the queue, to resume with ``--ckpt_path last``.
+Under SLURM ``StepCheckpoint`` saves after the same step on every process and ``requeue_slurm_job`` requeues the job.
 """
 
 from __future__ import annotations
@@ -41,8 +40,7 @@ def _note_requeue_signal(signum: int, frame: FrameType | None) -> None:
 def catch_requeue_signal() -> bool:
     """Under SLURM, makes the requeue signal only set a flag from now on; ``StepCheckpoint`` acts on it.
 
-    Lightning's handler saves from inside the signal handler, mid-step; finding this one, it installs none.
-    Returns whether it was installed.
+    Lightning's handler would save mid-step; finding this one, it installs none. Returns whether it was installed.
     """
     if not SLURMEnvironment.detect() or threading.current_thread() is not threading.main_thread():
         return False
@@ -69,10 +67,9 @@ def slurm_requeues(trainer: pl.Trainer) -> bool:
 
 
 def requeue_slurm_job() -> int:
-    """Puts the SLURM job back in the queue (the first process does); returns the exit status, the same on every
-    process.
+    """Puts the SLURM job back in the queue (the first process does); returns the exit status, the same everywhere.
 
-    The others wait for the requeue: under ``srun --kill-on-bad-exit=1`` one exiting first would get it killed.
+    The others wait for it: under ``srun --kill-on-bad-exit=1`` one exiting first would get the job killed.
     """
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     first = dist.get_rank() == 0 if grouped else os.environ.get("SLURM_PROCID", "0") == "0"
@@ -120,10 +117,8 @@ def torchrun_restart_problem() -> str | None:
 class SigtermConsensus(pl.Callback):
     """Under DDP, stops every rank at the same batch when any of them gets SIGTERM.
 
-    Lightning's handling lets ranks signalled a batch apart stop at different batches (the run hangs), and
-    its per-batch broadcast waits for the GPU. Here every ``check_every_n_steps`` batches the ranks take the
-    maximum of their notes without waiting for the GPU (``DelayedMax``), and all stop at the same batch, up to
-    twice that many batches after the signal. Single-process runs keep Lightning's handling.
+    Lightning's handling can stop ranks at different batches (the run hangs) and waits for the GPU each batch. Here
+    the ranks agree every ``check_every_n_steps`` batches without waiting for the GPU. One process keeps Lightning's.
 
     Args:
         check_every_n_steps: Check every this many batches; ``None``: on Lightning's log steps.

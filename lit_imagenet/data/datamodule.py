@@ -40,8 +40,7 @@ DEFAULT_WORKERS = min(4, usable_cores())
 
 
 def choose_decoder(on_cuda: bool, processes: int = 1) -> tuple[str, str]:
-    """The decoder ``auto`` stands for, and why: on one CUDA process DALI when it imports, else nvJPEG; on
-    several nvJPEG (faster there, ``docs/benchmarks.md``); without CUDA, PIL."""
+    """What ``auto`` stands for, and why: on one CUDA process DALI if installed, else on CUDA nvJPEG, else PIL."""
     if not on_cuda:
         return "pil", "the run is not on a CUDA device"
     if processes > 1:
@@ -57,40 +56,28 @@ class ImageFolderDataModule(pl.LightningDataModule):
     """ImageFolder splits under ``root`` as uint8 batches, ready for the GPU-side prefetcher.
 
     Args:
-        root: Folder holding ``train/`` and ``val/`` (and optionally ``test/``), each with one
-            sub-folder of images per class.
+        root: Folder holding ``train/``, ``val/`` (and optionally ``test/``), each with one sub-folder per class.
         batch_size: Images per batch in each process.
-        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``); by
-            default 4, or the cores this process may use where they are fewer.
+        workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
         crop_size: Side of the square crops fed to the network.
         val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
         channels_last: Collate batches in channels_last memory format. ``None``: on a CUDA device.
-        pin_memory: Put batches in page-locked memory for asynchronous copies to the GPU (on CUDA the
-            prefetcher pins each batch just before it copies it).
+        pin_memory: Collate batches into page-locked memory (on CUDA the prefetcher pins them anyway).
         verify_images: Decode every image once before training, to find unreadable files up front.
         predict_root: Folder of images (searched recursively) to classify with ``predict``.
-        decoder: ``pil`` (PIL images, as the reference); ``torchvision`` (``torchvision.io`` and uint8
-            tensors); ``nvjpeg`` (the workers read the files, the GPU decodes, crops and resizes batches);
-            ``dali`` (an NVIDIA DALI pipeline reads, decodes, crops and normalises, with ``dali_threads``
-            CPU threads and no worker processes); ``auto``: ``dali`` on one CUDA device when installed, else
-            ``nvjpeg`` on CUDA, else ``pil``. The start of a run logs the decoder, and why.
-        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the workers
-            decode the rest. Lower it when the GPU is the bottleneck and the CPU cores have time to spare.
-        gpu_decode_ahead: On CUDA, the batches the prefetcher's thread has on their way (pinned, copied,
-            and with ``nvjpeg`` decoded) while the current one trains; each holds GPU memory.
-        hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of the JPEGs sent to the GPU's
-            hardware JPEG decoder (DALI's ``hw_decoder_load``).
-        seed: Seed of the training order and augmentation. ``None``: the run's ``--seed_everything``.
-            A run resumed from a checkpoint keeps the seed it was started with.
-        index: Keep each split's file list in an index file that later runs read instead of walking the
-            folders; a split whose folders changed (an entry added, removed or renamed) is scanned again.
+        decoder: ``pil`` (as the reference), ``torchvision`` (``torchvision.io``), ``nvjpeg`` (workers read, the
+            GPU decodes and crops), ``dali`` (a DALI pipeline of ``dali_threads``, no workers), or ``auto``:
+            ``dali`` on one CUDA device when installed, else ``nvjpeg`` on CUDA, else ``pil``.
+        gpu_share: With ``decoder: nvjpeg``, the fraction of the images decoded on the GPU; the workers do the rest.
+        gpu_decode_ahead: On CUDA, the batches the prefetcher's thread prepares ahead; each holds GPU memory.
+        hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of JPEGs sent to the hardware decoder.
+        seed: Seed of the training order and augmentation. ``None``: ``--seed_everything``; resuming keeps it.
+        index: Keep each split's file list in an index file; a split whose folders changed is scanned again.
         index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
             ``~/.cache/lit_imagenet/index``).
-        dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's
-            share of the node's CPU cores, 2 to 8.
-        persistent_eval_workers: Keep the loader workers of validation, testing and prediction between
-            passes. ``False``: each pass starts them and stops them at its last batch, as the reference does.
+        dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's cores, 2-8.
+        persistent_eval_workers: Keep the validation, test and predict loader workers between passes.
     """
 
     def __init__(

@@ -1,5 +1,4 @@
-"""Datasets of ``(image, label)`` samples, collated into uint8 batches (apex's ``fast_collate``): conversion to float
-and normalisation happen on the GPU (``data.prefetch``), not in the workers."""
+"""Datasets of ``(image, label)`` samples, collated into uint8 batches to be normalised on the GPU."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ class ImageFolderDataset(Dataset):
 def collate_uint8(
     batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
 ) -> list[Tensor]:
-    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 (N, 3, H, W),
-    int64 (N,)]``; channels_last batches are written straight into an NHWC buffer."""
+    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 NCHW, int64 (N,)]``."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)

@@ -1,7 +1,6 @@
 """The ImageFolder layout: the class folders of a split, their images, and the checks made before training.
 
-A missing split, an empty class folder, an empty or non-image file, or train and val splits with different classes
-stop the run before training with a ``DataError`` naming the thing. Scans are kept in an index (``data.index``).
+Every bad layout stops the run before training with a ``DataError`` naming the thing.
 """
 
 from __future__ import annotations
@@ -24,8 +23,7 @@ def _is_hidden(name: str) -> bool:
 
 
 def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
-    """Appends the images under ``folder`` to ``names`` (relative, encoded; files before sub-folders, each sorted)
-    and each folder's modification time to ``folders``; hidden entries are not data."""
+    """Appends the non-hidden images under ``folder`` to ``names`` (sorted) and folder times to ``folders``."""
     folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
     files, subfolders = [], []
     with os.scandir(folder) as entries:

@@ -1,5 +1,4 @@
-"""Decoding images on the CPU (``load_rgb``: PIL; ``load_rgb_tensor``: ``torchvision.io``), a file's bytes and its
-header size. Every failure raises ``DataError`` naming the file."""
+"""Decoding images on the CPU, a file's bytes, its header size. Every failure raises ``DataError`` naming the file."""
 
 from __future__ import annotations
 
@@ -23,11 +22,7 @@ JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def load_rgb(path: str) -> Image.Image:
-    """Opens an image as 8-bit RGB (grayscale, palette, CMYK and alpha images included).
-
-    Raises:
-        DataError: The file cannot be read or decoded; the message names it.
-    """
+    """Opens an image as 8-bit RGB (grayscale, palette, CMYK and alpha images included)."""
     try:
         with open(path, "rb") as f:
             img = Image.open(f)
@@ -42,11 +37,7 @@ _TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
 
 
 def load_rgb_tensor(path: str) -> Tensor:
-    """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats).
-
-    Raises:
-        DataError: The file cannot be read or decoded; the message names it.
-    """
+    """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats)."""
     if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
         return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
     return decode_rgb_bytes(read_bytes(path), path)
@@ -64,11 +55,7 @@ def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
 
 
 def read_bytes(path: str) -> Tensor:
-    """A file's bytes as a uint8 tensor.
-
-    Raises:
-        DataError: The file cannot be read; the message names it.
-    """
+    """A file's bytes as a uint8 tensor."""
     try:
         return read_file(path)
     except Exception as err:
@@ -76,11 +63,7 @@ def read_bytes(path: str) -> Tensor:
 
 
 def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
-    """An encoded JPEG, PNG or WebP decoded on the CPU by ``torchvision.io``, as uint8 ``(3, H, W)`` RGB.
-
-    Raises:
-        DataError: The bytes cannot be decoded; the message names ``path``.
-    """
+    """An encoded JPEG, PNG or WebP decoded on the CPU by ``torchvision.io``, as uint8 ``(3, H, W)`` RGB."""
     try:
         img = decode_image(data, mode=ImageReadMode.RGB)
     except Exception as err:  # torchvision raises RuntimeError or ValueError, by format
@@ -92,20 +75,12 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
 
 
 def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image held in memory.
-
-    Raises:
-        DataError: The header cannot be read; the message names the file.
-    """
+    """``(height, width)`` from the header of an encoded image held in memory."""
     return _header_size(io.BytesIO(data.numpy().tobytes()), path)
 
 
 def image_size(path: str) -> tuple[int, int]:
-    """``(height, width)`` of an image file, from its header: EXIF orientation is not applied.
-
-    Raises:
-        DataError: The file cannot be read or its header is not an image's; the message names it.
-    """
+    """``(height, width)`` of an image file, from its header: EXIF orientation is not applied."""
     try:
         with open(path, "rb") as f:
             return _header_size(f, path)
@@ -160,11 +135,7 @@ class ImageSizes:
         self._lead = 0  # samples taken from the worker, less those asked for since ``read_ahead``
 
     def get(self, indices: np.ndarray) -> np.ndarray:
-        """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array.
-
-        Raises:
-            DataError: A header cannot be read; the message names the file.
-        """
+        """The ``(height, width)`` of samples ``indices``, as an int32 ``(N, 2)`` array."""
         indices = np.asarray(indices, dtype=np.int64)
         self._lead -= len(indices)
         while self._chunks is not None and self._lead < 0:
@@ -181,8 +152,7 @@ class ImageSizes:
         return self.sizes[indices]
 
     def read_ahead(self, order: np.ndarray, start: int = 0) -> None:
-        """Starts reading the headers of samples ``order[start:]`` not read yet, in order, for ``get`` calls that ask
-        for ``order`` from its start (the first ``start`` are read by ``get`` itself); the last such reading stops."""
+        """Stops the last read-ahead; a worker reads the headers of ``order[start:]`` not read yet, for ``get``."""
         self.stop()
         order = np.asarray(order[start:], dtype=np.int64)
         order = order[self.sizes[order, 0] == 0]

@@ -1,9 +1,7 @@
 """The samples of a split as numpy arrays, and the index file that later runs read instead of walking the folders.
 
-Loader workers forked from the training process share a ``SampleTable``'s arrays without copying them (a list of
-tuples would be copied page by page as reference counts touch it). The index keeps a scanned split with the
-modification time of every folder scanned: an entry added, removed or renamed changes its folder's time and
-means a rescan. A file rewritten in place is not seen, and is named when it is read, as any bad file is.
+Forked loader workers share a ``SampleTable``'s arrays without copies (reference counts would copy a list of tuples).
+The index keeps each scanned folder's modification time: an entry added, removed or renamed means a rescan.
 """
 
 from __future__ import annotations
@@ -128,8 +126,7 @@ class SampleTable(Sequence[tuple[str, int]]):
 
 @dataclass
 class Scan:
-    """A scanned split: its class names, its samples, the ``st_mtime_ns`` of each folder read (by its path relative
-    to the split, ``"."`` for the split) and the wall clock when the scan began."""
+    """A scanned split: class names, samples, each folder's ``st_mtime_ns`` (``"."``: the split) and its start time."""
 
     classes: list[str]
     samples: SampleTable
@@ -266,8 +263,7 @@ def _warn(message: str) -> None:
 def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], Scan]) -> Scan:
     """``scan(split_dir)``, or the index of an earlier scan in ``index_dir`` when the folders did not change.
 
-    Under a lock on the index, so that of the processes starting together one scans and the others read its
-    file. A damaged or unwritable index costs one warning line. ``index_dir`` ``None`` scans every time.
+    Under a lock, so that one process scans and the others read its file. ``index_dir`` ``None`` scans every time.
     """
     if index_dir is None:
         return scan(split_dir)

@@ -1,8 +1,6 @@
 """JPEG decoding on the GPU (``--data.decoder nvjpeg``): the workers read the bytes and draw the crops.
 
-Each loader worker reads a JPEG's bytes and header size and takes the crop and flip from the sample's seed
-(``lit_imagenet.data.crops``); a batch is collated as an ``EncodedBatch``, which ``decode`` turns into uint8
-images on the device with one batched ``torchvision.io.decode_jpeg`` call and antialiased bilinear resizes.
+Workers collate bytes and crops into an ``EncodedBatch``, which ``decode`` turns into uint8 images on the device.
 Images left to the workers by ``gpu_share``, and files nvJPEG cannot read, are decoded by the workers.
 """
 
@@ -45,12 +43,8 @@ class EncodedImageFolderDataset(ImageFolderDataset):
     """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
 
     Args:
-        samples: ``(path, class index)`` pairs.
         transform: The CPU transform for the images decoded here.
-        train: Random crop and flip (training) or resize and centre crop (evaluation).
-        crop_size: Side of the output images.
-        crop_scale: Range of the crop's area, as for RandomResizedCrop.
-        val_resize: Short side before the evaluation centre crop.
+        samples, train, crop_size, crop_scale, val_resize: As in ``DALILoader``.
         gpu_share: Fraction of the images decoded on the GPU.
     """
 
@@ -91,8 +85,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
-    The encoded files lie end to end in one tensor, ``blob``: a tensor per image would hold a shared-memory
-    file descriptor each on its way from the worker.
+    The encoded files lie end to end in ``blob``: a tensor per image would hold a shared-memory file descriptor each.
 
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
@@ -138,8 +131,6 @@ class EncodedBatch:
     def decode(self, device: torch.device | str) -> list[Tensor]:
         """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
 
-        Runs on the current CUDA stream (the prefetcher's decode stream when it calls this).
-
         Raises:
             DataError: An image cannot be decoded; the message names the file.
         """
@@ -161,8 +152,7 @@ class EncodedBatch:
 
 
 def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int], size: int) -> Tensor:
-    """Cuts ``boxes[k]`` (top, left, height, width) from each uint8 ``(3, H, W)`` picture, resizes it to ``size``
-    squared (antialiased bilinear), rounds it and mirrors the pictures in ``flips``: a uint8 ``(N, 3, size, size)``."""
+    """Crops ``boxes[k]`` (top, left, height, width), resizes to ``size`` squared and mirrors ``flips``: uint8 NCHW."""
     resized = torch.empty((len(pictures), 3, size, size), dtype=torch.float32, device=pictures[0].device)
     for k in range(len(pictures)):
         box = boxes[k]
@@ -177,8 +167,7 @@ def resize_crops(pictures: list[Tensor], boxes: list[list[int]], flips: list[int
 
 @functools.cache
 def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[int], int], Tensor]:
-    """``resize_crops`` compiled by TorchScript (its loop then runs without taking the GIL per operator, which
-    the training thread holds), or itself where TorchScript is not available."""
+    """``resize_crops`` compiled by TorchScript (so its loop does not take the GIL per operator), else itself."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TorchScript is deprecated in favour of torch.compile, which

@@ -26,9 +26,8 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
 def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0) -> np.ndarray:
     """The sample indices of ``rank`` in ``epoch``, after the epoch's first ``done`` samples (over all processes).
 
-    The epoch's permutation is fixed by ``seed + epoch``; the samples after its first ``done`` are padded with its
-    first ones to a multiple of ``replicas`` and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s
-    order when ``done`` is 0), whatever the number of processes that trained the first ``done``.
+    The permutation is fixed by ``seed + epoch``; the rest after ``done`` is padded to a multiple of ``replicas``
+    and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0).
     """
     generator = torch.Generator()
     generator.manual_seed(seed + epoch)
@@ -43,8 +42,7 @@ def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done
 class EpochSeededSampler(DistributedSampler):
     """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
 
-    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``. ``resume_at``
-    makes the next pass over ``epoch`` start after the samples already trained on.
+    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``.
 
     Args:
         dataset: The training dataset.
@@ -88,8 +86,7 @@ def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterato
 
 
 def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
-    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (``(epoch, 0)`` unless
-    restarting); Lightning restores it before it asks for the loader."""
+    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (restored before the loader)."""
     loop = trainer.fit_loop
     if not loop.restarting:
         return trainer.current_epoch, 0
@@ -101,8 +98,7 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
-    """Gives each rank every ``num_replicas``-th sample without padding (``DistributedSampler`` repeats samples), so
-    that every sample is seen once and summed validation metrics are exact."""
+    """Gives each rank every ``num_replicas``-th sample without padding, so that summed validation metrics are exact."""
 
     def __init__(self, dataset: Dataset, num_replicas: int, rank: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
@@ -127,9 +123,8 @@ def split_sampler(
     """The sampler of a split's loader for this process: training, an ``EpochSeededSampler`` at the restored position
     of a resumed run; evaluation, an ``UnpaddedDistributedSampler`` under DDP, else none.
 
-    A resumed epoch skips the ``processes x batch_size x batches`` samples its checkpoint's run trained, counted
-    with ``saved``'s ``world_size`` and ``batch_size`` (this run's when ``None``); when those differ from this run's,
-    the fit loop's batch counts are moved on to match the rest of the epoch in this run's batches.
+    A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size`` and
+    ``batch_size``, this run's when ``None``); the fit loop's batch counts are moved to this run's batches.
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:

@@ -42,10 +42,8 @@ class ImageClassifier(pl.LightningModule):
     Args:
         arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
         num_classes: Number of classes; the command line takes it from the data.
-        weights: Initial weights: ``None`` (random), a torchvision weights name such as ``IMAGENET1K_V2``, or the
-            path of a state dict or checkpoint; a head of another number of classes is replaced.
-        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256`` (batch size x processes x
-            gradient accumulation).
+        weights: ``None`` (random), a torchvision weights name (``IMAGENET1K_V2``) or a state dict/checkpoint path.
+        lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``.
         momentum: SGD momentum.
         weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
         warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
@@ -53,18 +51,14 @@ class ImageClassifier(pl.LightningModule):
         lr_gamma: The multiplier at each milestone (``step`` schedule).
         lr_schedule: ``step``: the reference's warmup and step decay at ``milestones``. ``cosine``:
             warmup, then a cosine decay to 0 at the end of ``trainer.max_epochs``, for fine-tuning.
-        freeze_backbone_epochs: Train only the classifier head for this many first epochs: the rest
-            of the network gets no gradients and its batchnorm layers keep their running statistics.
-            Under DDP this needs ``--trainer.strategy ddp_find_unused_parameters_true``.
+        freeze_backbone_epochs: Train only the classifier head for this many first epochs (under DDP this needs
+            ``--trainer.strategy ddp_find_unused_parameters_true``).
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
         channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
         class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
-        compile: Compile the network in place with ``torch.compile`` (checkpoints keep the plain network's
-            parameter names), with static shapes. ``false``: eager. ``true`` (or ``default``): compiled.
-            ``cudagraphs``: compiled and replayed as CUDA graphs (``reduce-overhead``); one process on CUDA
-            without gradient accumulation, else ``default``. ``auto``: ``default`` on CUDA, eager elsewhere.
-            With apex AMP the network runs eager. The compiler's caches go to ``compile_cache`` under the
-            run's root unless ``TORCHINDUCTOR_CACHE_DIR`` is set; the first step's time is logged.
+        compile: ``torch.compile`` the network in place. ``false``: eager. ``true``/``default``: compiled.
+            ``cudagraphs``: ``reduce-overhead`` on one CUDA process without accumulation, else ``default``.
+            ``auto``: ``default`` on CUDA, eager elsewhere. Apex AMP runs eager.
         fused_optimizer: Use the fused CUDA SGD kernel (it also unscales float16 gradients). ``None``: on when the
             parameters are on a CUDA device and the precision is not apex AMP's, which manages the optimizer.
     """
@@ -225,14 +219,11 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.update(loss.detach())
         self.train_metrics.update(logits.detach(), targets)
         if attached_trainer(self) is None or self._logs_this_step(batch_idx):
-            # Metric objects are logged so that Lightning computes them (and syncs them across ranks)
-            # once per epoch. Logging at every step would cost host time that a fast GPU waits for.
+            # Metric objects are logged so that Lightning computes and syncs them once per epoch, not every step.
             self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
             for name, metric in self.train_metrics.items():
                 self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
-            # This batch's figures go to the host now and are logged in on_train_batch_end: by then the
-            # backward pass and the optimizer step are queued, and the GPU works on them while the host
-            # waits for these values, where logging the GPU tensors would wait for the whole queue.
+            # Copied to the host now, logged in on_train_batch_end once backward and step are queued: no GPU wait.
             logits, ks = logits.detach(), [metric.k for metric in self.train_metrics.values()]
             figures = [loss.detach().float(), *(topk_hits(logits, targets, k).float().mean() for k in ks)]
             self._step_figures = copy_to_host(torch.stack(figures))
@@ -289,8 +280,7 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        # The rates depend on the training loader, which loaded this early would draw batches before a checkpoint's
-        # loop state is restored (a resumed run would restart its epoch): ``on_train_start`` sets them.
+        # The rates need the training loader, which loaded this early would restart a resumed epoch: see on_train_start.
         hp = self.hparams
         fused = bool(self._sgd_implementation().get("fused"))
         head = models.head_parameters(self.model, self.head_name)
@@ -336,8 +326,7 @@ class ImageClassifier(pl.LightningModule):
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
     ) -> None:
-        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid,
-        at the rate of this run's global batch (the data module has moved the fit loop's batch count)."""
+        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid."""
         epoch = self.trainer.current_epoch
         done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
         before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]
@@ -370,8 +359,7 @@ class ImageClassifier(pl.LightningModule):
             # An epoch cut short by max_steps, max_time or an early stop goes on from its next batch when resumed.
             record_cut_epoch_as_unfinished(self.trainer, checkpoint)
         if attached_trainer(self) is not None and self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
-            # Saved at the end of an epoch (Lightning resets the metrics only after the checkpoint
-            # callbacks have run): a run resumed from here starts a new epoch, so its sums start empty.
+            # Saved at an epoch's end (before Lightning resets the metrics): the resumed run's new epoch starts empty.
             state = checkpoint.get("state_dict", {})
             for prefix, metric in self.named_modules():
                 if prefix.startswith(("train_loss", "train_metrics.")) and isinstance(metric, Metric):

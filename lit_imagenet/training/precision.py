@@ -1,8 +1,4 @@
-"""Mixed precision: NVIDIA apex AMP as a Lightning precision plugin, and the native equivalents of its flags.
-
-``resolve_amp`` turns the reference's ``--opt-level``, ``--keep-batchnorm-fp32`` and ``--loss-scale`` into
-``ApexAMP`` when ``apex.amp`` imports (apex 25.05 or older), else into the closest native setting.
-"""
+"""Mixed precision: NVIDIA apex AMP as a Lightning precision plugin, and the native equivalents of its flags."""
 
 from __future__ import annotations
 
@@ -60,13 +56,10 @@ def _parse_loss_scale(loss_scale: float | str | None) -> float | str | None:
 class ApexAMP(Precision):
     """Mixed precision through NVIDIA apex's ``amp``, as the reference trained.
 
-    Use with one process, or with ``--trainer.strategy ddp_apex`` for several. Gradient accumulation is
-    refused; clipping works on apex's master parameters; the loss scaler's state goes in checkpoints. Where
-    ``apex.amp`` does not import, the run stops at its start with a ``ConfigError`` saying why.
+    Use with one process, or with ``--trainer.strategy ddp_apex`` for several; gradient accumulation is refused.
 
     Args:
-        opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 model with fp32 master
-            weights; ``O3`` pure fp16.
+        opt_level: ``O0`` fp32; ``O1`` patched functions in fp16; ``O2`` fp16 with fp32 master weights; ``O3`` fp16.
         keep_batchnorm_fp32: Keep batch norm in float32 (apex's default: on for O2, off for O3).
         loss_scale: A fixed loss scale, or ``"dynamic"`` (apex's default for O1-O2).
     """
@@ -96,11 +89,7 @@ class ApexAMP(Precision):
 
     @property
     def amp(self) -> Any:
-        """The ``apex.amp`` module.
-
-        Raises:
-            ConfigError: apex AMP cannot be imported; the message says why and names the native equivalent.
-        """
+        """The ``apex.amp`` module; a ``ConfigError`` saying why and the native equivalent where it cannot import."""
         if self._amp is None:
             raise ConfigError(self._missing)
         return self._amp
@@ -192,7 +181,7 @@ class StaticScaleMixedPrecision(MixedPrecision):
     """Native ``16-mixed`` with a fixed loss scale, like the reference's ``--loss-scale 128.0``.
 
     Args:
-        loss_scale: The fixed scale the loss is multiplied by before backward.
+        loss_scale: The fixed loss scale.
         device: The device type autocast runs on.
     """
 
@@ -256,10 +245,7 @@ def resolve_amp(
     """Maps the reference's AMP flags to apex AMP when it can be imported, or to the closest native setting.
 
     Args:
-        opt_level: The reference's ``--opt-level``.
-        keep_batchnorm_fp32: The reference's ``--keep-batchnorm-fp32``.
-        loss_scale: The reference's ``--loss-scale``: a number or ``"dynamic"``.
-        backend: ``auto`` (apex if ``apex.amp`` imports, else native), ``apex`` or ``native``.
+        opt_level, keep_batchnorm_fp32, loss_scale, backend: As in ``AMPFlags``.
         devices: Processes in the run; more than one with apex selects the ``ddp_apex`` strategy.
         device_type: The device type, for native autocast.
     """

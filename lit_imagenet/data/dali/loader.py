@@ -1,9 +1,7 @@
 """The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``.
 
-The sampler gives the order, each process's shard and each sample's augmentation seed, as for the other decoders;
-each process's reader gets the files of its own shard, so that under DDP every process trains as many batches. A
-training epoch gets a pipeline built from the sampler's order (a resumed epoch starts at the first batch not
-trained); an evaluation loader builds one pipeline and reads it again at each pass.
+The sampler gives the order, shard and augmentation seeds, as for the other decoders. A training epoch gets a
+pipeline built from the sampler's order; an evaluation loader builds one pipeline and reads it at each pass.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 HW_DECODER_LOAD = 0.65
-# Batches DALI may have read beyond the one it hands over when an error surfaces: its output queue
-# (prefetch_queue_depth, 2 by default) and the file reader's own queue.
+# Batches DALI may have read beyond the one it hands over when an error surfaces (its queue and the reader's).
 _BATCHES_AHEAD = 3
 
 
@@ -61,17 +58,15 @@ def import_dali() -> ModuleType:
 
 
 def batch_dtype(precision: str | None) -> torch.dtype:
-    """The dtype of DALI's batches for a Lightning precision: float16 for ``16-*``, else float32 (DALI has no
-    bfloat16 output; autocast or ``bf16-true`` converts float32)."""
+    """The dtype of DALI's batches for a Lightning precision: float16 for ``16-*``, else float32 (DALI has no bf16)."""
     return torch.float16 if str(precision).startswith("16") else torch.float32
 
 
 class DALILoader:
     """Batches ``[images, int64 labels]`` from a DALI pipeline, normalised and ready for the model.
 
-    Iterable like a ``DataLoader``, with a ``sampler`` (Lightning sets the epoch of a training sampler), a
-    ``batch_size`` and a length. Images are ``(N, 3, S, S)`` in ``dtype``, channels_last when asked, on ``device``
-    (a CUDA device: DALI's ``mixed`` decoder and GPU operators) or on the CPU.
+    Iterable like a ``DataLoader``, with a ``sampler``, a ``batch_size`` and a length. Images are ``(N, 3, S, S)``
+    in ``dtype`` on ``device`` (CUDA) or on the CPU.
 
     Args:
         samples: ``(path, class index)`` pairs of the split.
@@ -90,7 +85,6 @@ class DALILoader:
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
-            The reader then holds only their files, so that each pass reads them all and its pipeline is kept.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -206,8 +200,7 @@ class DALILoader:
         return self._active
 
     def _batches(self) -> Generator[list[Tensor], None, None]:
-        """The batches of one pass. Lightning stops asking once it has the last one (it counts them), so the
-        pass ends at that batch: an evaluation pipeline that read all its files is rewound and kept for the next."""
+        """The batches of one pass; an evaluation pipeline that read all its files is rewound for the next."""
         indices, seeds = self._order()
         kept, self._kept = self._kept, None
         source = kept[0] if kept is not None and np.array_equal(kept[1], indices) else None
@@ -237,9 +230,8 @@ class DALILoader:
 def _named_error(err: RuntimeError, window: list[str], threads: int) -> Exception:
     """A ``DataError`` naming the file of ``window`` that DALI failed on, or ``err`` when no file is to blame.
 
-    DALI reports a decoding error without the file's name, for a batch that may be a few ahead of the one asked
-    for: those batches' files are decoded again with PIL, and the first that fails is named with PIL's reason. A
-    file that PIL reads but DALI does not is named when DALI's message names it.
+    DALI's decoding errors do not name the file and may come from a batch a few ahead: those files are decoded
+    again with PIL, and the first that fails is named.
     """
 
     def check(path: str) -> DataError | None:

@@ -17,8 +17,7 @@ from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, fli
 
 
 class _Source:
-    """An external source: per batch ``i``, the rows of ``indices`` (the samples the reader reads, in its order) that
-    it reads; like the reader, the last batch is padded with the last sample and the next starts over."""
+    """An external source: per batch ``i``, the rows of ``indices`` the reader reads, padded like the reader's."""
 
     def __init__(self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int) -> None:
         self.indices = indices
@@ -45,8 +44,7 @@ class GeometrySource(_Source):
 
 
 class CropSource(_Source):
-    """The external source of a training pipeline: each batch's crop windows and flips, from the samples' ``seeds``
-    (``crop_draws``) and the ``scale`` of their area."""
+    """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``."""
 
     def __init__(
         self,
@@ -84,9 +82,8 @@ def build_pipeline(
     std: Sequence[float],
     hw_decoder_load: float,
 ) -> Any:
-    """A DALI pipeline that reads ``files`` (with their ``labels``) in order and yields ``(images, labels)`` batches:
-    ``source``'s crops resized to ``crop_size`` squared and mirrored (a ``CropSource``), or the whole image resized
-    and centre-cropped (a ``GeometrySource``). ``device_id`` ``None`` runs it on the CPU."""
+    """A DALI pipeline yielding ``(images, labels)`` batches of ``files`` in order, cropped as ``source`` says
+    (``CropSource``: resized crops and flips; ``GeometrySource``: centre crops). ``device_id`` ``None``: on the CPU."""
     from nvidia.dali import fn, pipeline_def, types
 
     cuda = device_id is not None
