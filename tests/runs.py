@@ -188,6 +188,23 @@ def wait_for_file(proc: subprocess.Popen, path: Path, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def sigterm_once_written(args: list[str], path: Path, timeout: float, settle: float = 0.0, **kwargs: Any) -> str:
+    """Starts ``python train.py *args``, sends it SIGTERM once ``path`` is a file (``settle`` seconds later), and
+    returns its standard output once it has stopped as SIGTERM asks: exit status 143 and its line saying so."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)  # fmt: skip
+    try:
+        wait_for_file(proc, path, timeout)
+        time.sleep(settle)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Stopped by SIGTERM" in err
+    return out
+
+
 def run_train(args: list[str], timeout: float = 300, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     """``python train.py *args`` to its end, through ``run_session``."""
     return run_session([sys.executable, str(REPO / "train.py"), *args], timeout, **kwargs)

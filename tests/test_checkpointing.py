@@ -22,7 +22,7 @@ from lit_imagenet.callbacks.checkpoints import (
 from lit_imagenet.cli import main
 from tests.cli_args import SMALL_ARCH, error_lines
 from tests.cli_args import fit_args as _fit_args
-from tests.runs import run_train, wait_for_file
+from tests.runs import run_train, sigterm_once_written
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,17 +178,9 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(shapes_root: Pat
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # batches of 2: 12 steps per epoch; many epochs, so that the run is still going when the signal comes
     args = _fit_args(shapes_root, tmp_path, "--data.batch_size", "2", "--trainer.max_epochs", "1000", arch=SMALL_ARCH)
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     first = tmp_path / "checkpoints"
-    try:
-        wait_for_file(proc, first / "last.ckpt", 120)  # the end of epoch 0: the run is past its start-up
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "Stopped by SIGTERM" in err
+    # the end of epoch 0: the run is past its start-up
+    sigterm_once_written(args, first / "last.ckpt", 120, env=env, cwd=tmp_path)
     saved = _step(first / "last-step.ckpt")  # every_n_train_steps is 0: only the SIGTERM save writes it
     assert saved >= 12
 

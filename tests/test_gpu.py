@@ -4,7 +4,6 @@ import functools
 import gc
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetcher, PrefetchLoader
 from lit_imagenet.data.presets import Uint8Normalize
-from tests.runs import run_train
+from tests.runs import run_train, sigterm_once_written
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
@@ -482,28 +481,17 @@ def test_the_ddp_strategy_on_one_gpu_replays_cuda_graphs_and_compiles_as_one_pro
 def test_sigterm_stops_a_cuda_graph_run_with_its_console_lines_and_it_resumes(
     learnable_root: Path, tmp_path: Path
 ) -> None:
-    import signal
 
     from tests.cli_args import fit_args
-    from tests.runs import wait_for_file
 
     env = {**os.environ, "PYTHONPATH": _pythonpath(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "compile_cache")}
     common = ("--trainer.accelerator", "gpu", "--trainer.precision", "16-mixed", "--model.compile", "cudagraphs",
               "--trainer.log_every_n_steps", "2", "--trainer.limit_val_batches", "2",
               "--curves.enabled", "false")  # fmt: skip
     args = fit_args(learnable_root, tmp_path, *common, "--trainer.max_epochs", "1000", batch_size=16)
-    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *args], env=env, cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     checkpoints = tmp_path / "checkpoints"
-    try:
-        wait_for_file(proc, checkpoints / "last.ckpt", 300)  # epoch 0 ended: compiled, graphs recorded and replayed
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
-    assert "Stopped by SIGTERM" in err
+    # epoch 0 ended: compiled, graphs recorded and replayed
+    out = sigterm_once_written(args, checkpoints / "last.ckpt", 300, settle=1.0, env=env, cwd=tmp_path)
     steps = [line for line in out.splitlines() if line.startswith("Epoch 0 [") and " step " in line]
     assert len(steps) >= 4 and "loss" in steps[-1], out[-3000:]
     saved = torch.load(checkpoints / "last-step.ckpt", weights_only=True)["global_step"]

@@ -19,7 +19,7 @@ def default_callbacks(
     """The callbacks of ``train.py fit`` with their command-line defaults, for a ``pl.Trainer`` made by hand.
 
     Args:
-        every_n_train_steps: Save ``last-step.ckpt`` every this many optimizer steps; 0: only on SIGTERM.
+        every_n_train_steps: Save ``last-step.ckpt`` every this many optimizer steps; 0: every 15 minutes of training.
         console: Print the console line (the learning rates and throughput are logged either way).
         curves: Draw ``training_curves.png`` at the end of ``fit``.
         max_consecutive_non_finite: Consecutive NaN or infinite losses that stop the run.

@@ -209,9 +209,7 @@ class StepCheckpoint(ModelCheckpoint):
             self._requeue = False
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         # Else a run resumed from an epoch's last step saves checkpoints that look like an epoch's end.
         compat.count_epoch_as_started(trainer)
 

@@ -50,15 +50,11 @@ class NonFiniteGuard(pl.Callback):
                 self._saved[path] = max(step, self._saved.get(path, step))
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         self._note_checkpoints(trainer)
 
     @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
         if self._state is None or self._max is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
