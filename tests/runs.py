@@ -134,9 +134,16 @@ def child_pids(parent: int) -> list[int]:
     return found
 
 
+def resumed_at(log: str) -> list[tuple[str, int]]:
+    """``(checkpoint, step)`` of each resume in a log (the CLI's ``Resuming from PATH (epoch E, step S).``): the file
+    itself is rewritten by the run that resumed from it."""
+    found = re.findall(r"^Resuming from (\S+) \(epoch \d+, step (\d+)\)\.$", log, re.MULTILINE)
+    return [(path, int(step)) for path, step in found]
+
+
 def resumed_from(log: str) -> list[str]:
-    """The checkpoints that the runs of a log resumed from (the CLI's ``Resuming from PATH (epoch E, step S).``)."""
-    return re.findall(r"^Resuming from (\S+) \(epoch \d+, step \d+\)\.$", log, re.MULTILINE)
+    """The checkpoints that the runs of a log resumed from."""
+    return [path for path, _ in resumed_at(log)]
 
 
 class BackgroundRun:

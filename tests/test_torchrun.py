@@ -26,7 +26,7 @@ from tests.runs import (
     free_port,
     global_step,
     job_script_flags,
-    resumed_from,
+    resumed_at,
     run_env,
     run_flags,
     wait_for_step,
@@ -68,8 +68,8 @@ def test_a_killed_worker_is_restarted_and_the_run_resumes_from_its_last_checkpoi
     # both agents started a second group: two processes, twice
     assert sum(t.count("Initializing distributed: GLOBAL_RANK") for t in text) == 4
     resumed = out / "checkpoints" / "last-step.ckpt"
-    assert resumed_from(text[0] + text[1]) == [str(resumed)]
-    assert global_step(resumed) % 12 != 0  # mid-epoch
+    ((path, step),) = resumed_at(text[0] + text[1])
+    assert path == str(resumed) and step % 12 != 0  # mid-epoch
     final = final_checkpoint(out)
     assert global_step(final) == STEPS
     different = differing(final, uninterrupted_ddp)
