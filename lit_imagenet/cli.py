@@ -48,7 +48,7 @@ from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.errors import ConfigError, DataError, UserError
 from lit_imagenet.training.module import ImageClassifier
-from lit_imagenet.training.precision import AMPFlags, resolve_amp
+from lit_imagenet.training.precision import AMPFlags, ApexAMP, resolve_amp
 from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers ddp_default_stream and ddp_apex
 
 
@@ -166,6 +166,7 @@ class ImageNetCLI(LightningCLI):
         if amp is not None and amp.opt_level is not None:
             kwargs.update(_amp_trainer_kwargs(amp, {**trainer_config, **kwargs}))
         _check_bf16({**trainer_config, **kwargs})
+        _check_precision_plugin({**trainer_config, **kwargs})
         trainer = super().instantiate_trainer(**kwargs)
         use_atomic_checkpoint_io(trainer)
         return trainer
@@ -351,6 +352,20 @@ def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[s
         if not isinstance(strategy, ApexDDPStrategy):
             kwargs["strategy"] = choice.strategy
     return kwargs
+
+
+def _check_precision_plugin(trainer_config: dict[str, Any]) -> None:
+    """One line, not Lightning's traceback, for a precision plugin given beside ``--trainer.precision``."""
+    plugins = trainer_config.get("plugins") or []
+    given = [p for p in (plugins if isinstance(plugins, list) else [plugins]) if isinstance(p, pl.plugins.Precision)]
+    if not given or trainer_config.get("precision") is None:
+        return
+    if isinstance(given[0], ApexAMP):
+        given[0].amp  # noqa: B018  (without apex: its one sentence)
+    name = type(given[0]).__name__
+    precision = trainer_config["precision"]
+    raise ConfigError(f"--trainer.plugins gives the precision plugin {name}, and --trainer.precision {precision} is "
+                      "set too (in a config, say); set it to null or drop the plugin.")  # fmt: skip
 
 
 def _check_bf16(trainer_config: dict[str, Any]) -> None:

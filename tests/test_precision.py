@@ -84,14 +84,21 @@ def test_the_apex_plugin_without_apex_is_one_line_as_the_amp_flags(shapes_root: 
     lines = {}
     for flags in (
         ["--trainer.plugins=lit_imagenet.training.precision.ApexAMP"],
+        [
+            "--trainer.plugins=lit_imagenet.training.precision.ApexAMP",
+            "--config",
+            str(REPO / "configs/demo.yaml"),
+            "--data.root",
+            str(shapes_root),
+        ],  # fmt: skip
         ["--amp.opt_level=O1", "--amp.backend=apex"],
     ):
         done = run_train([*_fit_args(shapes_root, tmp_path), *flags], env=env)
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
-        lines[flags[0]] = [line for line in error_lines(done.stderr) if line.startswith("error:")]
-    first, second = lines.values()
-    assert first == second and len(first) == 1 and "NVIDIA apex is not installed" in first[0], lines
+        lines[" ".join(flags)] = [line for line in error_lines(done.stderr) if line.startswith("error:")]
+    first, in_a_config, flags = lines.values()  # demo.yaml sets --trainer.precision beside the plugin
+    assert first == in_a_config == flags and len(first) == 1 and "NVIDIA apex is not installed" in first[0], lines
 
 
 def test_apex_without_amp_says_it_was_removed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
