@@ -24,20 +24,27 @@ class CropBox(NamedTuple):
     width: int
 
 
-def crop_draws(
-    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
-) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (SplitMix64): a float64
-    ``(N, 23)`` array of ten area fractions in ``scale``, ten aspect ratios (width / height) drawn log-uniformly in
-    ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below 0.5)."""
+def uniform_draws(seeds: Sequence[int] | np.ndarray, count: int, first: int = 0) -> np.ndarray:
+    """Per sample, ``count`` uniform numbers in [0, 1) fixed by its augmentation seed: draws ``first + 1`` to
+    ``first + count`` of the seed's SplitMix64 stream, as a float64 ``(N, count)`` array."""
     seeds_u = np.asarray(seeds, dtype=np.uint64).reshape(-1)
-    steps = np.arange(1, _DRAWS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    steps = np.arange(first + 1, first + count + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
     with np.errstate(over="ignore"):  # SplitMix64: wrapping 64-bit arithmetic is the point
         x = seeds_u[:, None] + steps[None, :]
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
-    u = (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+def crop_draws(
+    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
+) -> np.ndarray:
+    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (``uniform_draws``): a
+    float64 ``(N, 23)`` array of ten area fractions in ``scale``, ten aspect ratios (width / height) drawn
+    log-uniformly in ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below
+    0.5)."""
+    u = uniform_draws(seeds, _DRAWS)
     t = CROP_TRIES
     out = u.copy()
     out[:, :t] = scale[0] + (scale[1] - scale[0]) * u[:, :t]

@@ -1,0 +1,157 @@
+"""torchvision's recipe's training augmentations: an auto-augment policy and random erasing, from a sample's seed.
+
+Every decoder applies them to the uint8 crop, after the crop and flip and before normalisation: the policy first, then
+the erasing. The erased box is drawn from the sample's seed with numpy (``erase_boxes``), so every decoder erases the
+same pixels for a seed; it is filled with the normalisation mean, which is 0 once normalised, as torchvision's
+``RandomErasing`` after ``Normalize`` fills it. The policy is ``torchvision.transforms.v2``'s on the CPU decoders and
+on nvJPEG, drawn from torch's generator seeded by the sample's seed (``augment_image``); DALI draws its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import Tensor
+from torchvision.transforms import InterpolationMode, v2
+from torchvision.transforms.v2 import functional as F
+
+from lit_imagenet.data.crops import uniform_draws
+
+Policy = Literal["ta_wide", "ra", "augmix"]
+POLICIES: tuple[str, ...] = ("ta_wide", "ra", "augmix")
+ERASE_SCALE = (0.02, 0.33)
+ERASE_RATIO = (0.3, 3.3)
+ERASE_TRIES = 10
+_ERASE_STREAM = 64  # erase draws come after the crop's in a seed's SplitMix64 stream
+_POLICY_SALT = 0x2545F4914F6CDD1D
+
+
+@dataclass(frozen=True)
+class Augment:
+    """The training augmentations beyond the crop and flip.
+
+    Args:
+        policy: ``None``, ``ta_wide`` (TrivialAugmentWide), ``ra`` (RandAugment, 2 ops of ``ra_magnitude``) or
+            ``augmix`` (AugMix of ``augmix_severity``).
+        ra_magnitude: RandAugment's magnitude, of 31 bins.
+        augmix_severity: AugMix's severity, 1 to 10.
+        random_erase: The probability that a crop gets a box erased (``RandomErasing``'s ``p``).
+        fill: The uint8 colour of erased pixels, per channel (the normalisation mean).
+    """
+
+    policy: Policy | None = None
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    random_erase: float = 0.0
+    fill: tuple[int, int, int] = (124, 116, 104)
+
+    def __post_init__(self) -> None:
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)} or null. Got {self.policy!r}")
+        if not 0 <= self.ra_magnitude <= 30:
+            raise ValueError(f"ra_magnitude must be in [0, 30]. Got {self.ra_magnitude}")
+        if not 1 <= self.augmix_severity <= 10:
+            raise ValueError(f"augmix_severity must be in [1, 10]. Got {self.augmix_severity}")
+        if not 0.0 <= self.random_erase <= 1.0:
+            raise ValueError(f"random_erase must be a probability in [0, 1]. Got {self.random_erase}")
+
+    def __bool__(self) -> bool:
+        return self.policy is not None or self.random_erase > 0
+
+    @staticmethod
+    def fill_of(mean: Sequence[float]) -> tuple[int, int, int]:
+        """The uint8 colour of a normalisation ``mean`` of images in [0, 1]."""
+        r, g, b = (int(round(255 * m)) for m in mean)
+        return r, g, b
+
+
+def policy_transform(augment: Augment) -> v2.Transform | None:
+    """``augment``'s policy as a ``transforms.v2`` transform (bilinear, as torchvision's recipe), or ``None``."""
+    bilinear = InterpolationMode.BILINEAR
+    if augment.policy == "ta_wide":
+        return v2.TrivialAugmentWide(interpolation=bilinear)
+    if augment.policy == "ra":
+        return v2.RandAugment(magnitude=augment.ra_magnitude, interpolation=bilinear)
+    if augment.policy == "augmix":
+        return v2.AugMix(severity=augment.augmix_severity, interpolation=bilinear)
+    return None
+
+
+def erase_boxes(
+    seeds: Sequence[int] | np.ndarray,
+    height: int,
+    width: int,
+    p: float,
+    scale: tuple[float, float] = ERASE_SCALE,
+    ratio: tuple[float, float] = ERASE_RATIO,
+) -> np.ndarray:
+    """``RandomErasing``'s boxes in ``height`` x ``width`` crops, from the samples' seeds: an int32 ``(N, 4)`` array
+    of ``(top, left, height, width)``; a sample drawn out by ``p``, or whose ten tries do not fit, gets a 0 x 0 box."""
+    t = ERASE_TRIES
+    u = uniform_draws(seeds, 2 * t + 3, first=_ERASE_STREAM)
+    area = height * width * (scale[0] + (scale[1] - scale[0]) * u[:, 1 : t + 1])
+    low, high = math.log(ratio[0]), math.log(ratio[1])
+    aspect = np.exp(low + (high - low) * u[:, t + 1 : 2 * t + 1])
+    h = np.floor(np.sqrt(area * aspect) + 0.5)
+    w = np.floor(np.sqrt(area / aspect) + 0.5)
+    fits = (h < height) & (w < width)
+    rows = np.arange(len(u))
+    first = fits.argmax(axis=1)
+    chosen = (u[:, 0] < p) & fits.any(axis=1)
+    out_h, out_w = h[rows, first], w[rows, first]
+    top = np.floor(u[:, 2 * t + 1] * (height - out_h + 1))
+    left = np.floor(u[:, 2 * t + 2] * (width - out_w + 1))
+    box = np.stack([top, left, out_h, out_w], axis=1)
+    box[~chosen] = 0
+    return box.astype(np.int32)
+
+
+def policy_seed(seed: int) -> int:
+    """The seed of torch's generator for the policy of the sample with augmentation ``seed``."""
+    return (int(seed) ^ _POLICY_SALT) & 0x7FFFFFFFFFFFFFFF
+
+
+def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
+    """``transform(img)`` drawn from torch's generator seeded by ``seed`` (``None``: the generator as it is), on
+    the CPU and, for a CUDA tensor, its device; the process's generators are left as they were."""
+    if seed is None:
+        return transform(img)
+    devices = [img.device] if isinstance(img, Tensor) and img.is_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(policy_seed(seed))
+        return transform(img)
+
+
+def erase(img: Tensor, box: Sequence[int], fill: Sequence[int]) -> Tensor:
+    """A uint8 ``(C, H, W)`` image with ``box`` (``top, left, height, width``) set to ``fill``; a 0 x 0 box keeps it."""
+    top, left, height, width = (int(v) for v in box)
+    if height == 0 or width == 0:
+        return img
+    img = img.clone()
+    colour = torch.tensor(fill, dtype=img.dtype, device=img.device)
+    img[:, top : top + height, left : left + width] = colour[:, None, None]
+    return img
+
+
+def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Transform | None = None) -> Any:
+    """A training crop (a PIL image or a uint8 ``(C, H, W)`` tensor, on any device) with ``augment`` applied from
+    the sample's ``seed``. A PIL image comes back as one unless it is erased, then as a uint8 tensor.
+
+    Args:
+        transform: ``policy_transform(augment)``, made once by the caller.
+    """
+    if transform is not None:
+        img = apply_policy(transform, img, seed)
+    if augment.random_erase > 0:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        if not isinstance(img, Tensor):
+            img = F.pil_to_tensor(img)
+        height, width = img.shape[-2:]
+        img = erase(img, erase_boxes([seed], height, width, augment.random_erase)[0].tolist(), augment.fill)
+    return img
