@@ -1,6 +1,6 @@
 """The check of a GPU machine: the GPU tests, then a short ``fit`` per decoder and the model alone.
 
-``make gpu-check`` runs it. Two parts, which can also run apart (``--part tests``, ``--part bench``):
+``make gpu-check`` runs the first two parts, which can also run apart (``--part tests``, ``--part bench``):
 
 * ``tests``: ``pytest -m gpu``, one row per test, a failed one with its message; a test still running after
   ``--test-timeout`` seconds fails, and the others run.
@@ -8,6 +8,10 @@
   trains it: the model alone, ``fit`` on synthetic batches and ``fit`` with each decoder (``pil``, ``torchvision``,
   ``nvjpeg``, and ``dali`` when NVIDIA DALI imports), on 1 GPU and on every visible GPU. A row passes when its run
   finished its epochs.
+
+``--part accuracy`` (not in ``all``) trains ResNet-18 with ``configs/resnet50.yaml`` and with
+``configs/resnet50_tv2.yaml`` on scikit-learn's handwritten digits (1,797 real 8x8 scans, upscaled to 72x72, every
+fifth one held out), same epochs and seed, and reports each recipe's best validation top-1 (and its EMA's).
 
 It prints a summary and writes ``benchmarks/results/gpu-check.json``: per part, the commit, a digest of the files
 that make a run, the machine, the versions and every row. The exit status is 1 when a row failed. Where the files
@@ -171,6 +175,62 @@ def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str
     return rows
 
 
+#: Per recipe of the accuracy part: its config and its sizes scaled to the 72x72 digits (224 -> 64).
+ACCURACY_RECIPES = {
+    "resnet50.yaml": ["--data.crop_size", "64", "--data.val_resize", "72"],
+    "resnet50_tv2.yaml": ["--data.train_crop_size", "50", "--data.val_resize", "66", "--data.crop_size", "64"],
+}
+
+
+def digits_folder(root: Path) -> Path:
+    """scikit-learn's digits as an ImageFolder under ``root``: 72x72 RGB PNGs, every fifth image in ``val/``
+    (a ``root`` that has ``train/`` already is taken as made: made elsewhere for a machine without scikit-learn)."""
+    from PIL import Image
+
+    if (root / "train").is_dir():
+        return root
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit("error: the accuracy part needs scikit-learn's digits: pip install scikit-learn") from None
+    digits = load_digits()
+    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+        folder = root / ("val" if i % 5 == 4 else "train") / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        gray = Image.fromarray((image * (255 / 16)).round().astype("uint8")).resize((72, 72), Image.BILINEAR)
+        gray.convert("RGB").save(folder / f"{i:04d}.png")
+    return root
+
+
+def run_accuracy(out: Path, epochs: int, extra: list[str]) -> list[dict[str, Any]]:
+    """Each recipe of ``ACCURACY_RECIPES`` on the digits, ResNet-18, ``epochs`` epochs, seed 0: a row each with
+    its best validation top-1 (``val/top1``, and ``val_ema/top1`` where the recipe keeps an EMA)."""
+    import csv
+
+    data = digits_folder(out / "digits")
+    rows = []
+    for config, sizes in ACCURACY_RECIPES.items():
+        run = out / "accuracy" / Path(config).stem
+        cmd = [sys.executable, str(REPO / "train.py"), "fit", "--config", str(REPO / "configs" / config),
+               "--trainer.default_root_dir", str(run), "--trainer.max_epochs", str(epochs), "--seed_everything", "0",
+               "--model.arch", "resnet18", "--data.root", str(data), "--data.batch_size", "64", "--data.workers", "8",
+               "--data.decoder", "pil", "--model.compile", "false", *sizes, *extra]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO)
+        metrics = run / "metrics.csv"
+        row: dict[str, Any] = {"row": f"{config} resnet18 digits {epochs} epochs", "ok": done.returncode == 0}
+        if metrics.is_file():
+            with metrics.open() as f:
+                table = list(csv.DictReader(f))
+            for key in ("val/top1", "val_ema/top1"):
+                values = [float(r[key]) for r in table if r.get(key)]
+                if values:
+                    row[key] = round(max(values), 4)
+        if not row["ok"] or "val/top1" not in row:
+            row.update(ok=False, detail=f"exit status {done.returncode}")
+        rows.append(row)
+    return rows
+
+
 def summary(record: dict[str, Any]) -> str:
     lines = [f"GPU check of {record['commit']} on {', '.join(record['machine']['gpus']) or 'no GPU'}"]
     for part, result in record["parts"].items():
@@ -179,6 +239,7 @@ def summary(record: dict[str, Any]) -> str:
         lines.append(f"\n{part}: {result['passed']} passed, {result['failed']} failed{skipped}{stale}")
         for row in result["rows"]:
             rate = f"{row['images_per_sec']:>9,.0f} images/s" if row.get("images_per_sec") else ""
+            rate += "  ".join(f"{k} {row[k]:.4f}" for k in ("val/top1", "val_ema/top1") if k in row)
             detail = f"  {row['detail']}" if row.get("detail") else ""
             mark = "skip" if row.get("skipped") else "pass" if row["ok"] else "FAIL"
             lines.append(f"  {mark}  {row['row']:<64} {rate}{detail}")
@@ -187,7 +248,8 @@ def summary(record: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["tests", "bench", "all"], default="all")
+    parser.add_argument("--part", choices=["tests", "bench", "all", "accuracy"], default="all")
+    parser.add_argument("--epochs", type=int, default=60, help="epochs of each recipe (accuracy part)")
     parser.add_argument("--out", type=Path, default=Path("runs/gpu-check"), help="logs and reports")
     parser.add_argument("--record", type=Path, default=RECORD, help="the JSON record to update")
     parser.add_argument("--decoders", nargs="+", default=None,
@@ -198,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--name-commit", action="store_true",
                         help="run nothing: name the commit of each part of the record by the files that ran, and "
                         "save it")  # fmt: skip
-    parser.add_argument("extra", nargs="*", help="more throughput.py arguments, after --")
+    parser.add_argument("extra", nargs="*", help="more throughput.py (accuracy: train.py) arguments, after --")
     args = parser.parse_args(argv)
     record = json.loads(args.record.read_text()) if args.record.is_file() else {"parts": {}}
     if args.name_commit:
@@ -217,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts:
         if part == "tests":
             rows = run_tests(args.out, shlex.split(args.pytest_args), args.test_timeout)
-        else:
+        elif part == "bench":
             rows = run_bench(args.out, decoders, args.extra)
+        else:
+            rows = run_accuracy(args.out, args.epochs, args.extra)
         failed = sum(not r["ok"] for r in rows)
         skipped = sum(bool(r.get("skipped")) for r in rows)
         record["parts"][part] = {"commit": record["commit"], "tree_sha256": record["tree_sha256"],
