@@ -83,7 +83,7 @@ def _dali_missing() -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     no_dali = _dali_missing() if any(item.get_closest_marker("dali") for item in items) else None
     for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         if no_dali is not None and item.get_closest_marker("dali"):
             item.add_marker(pytest.mark.skip(reason=no_dali))
