@@ -107,8 +107,8 @@ def _policy(augment: Augment) -> v2.Transform | None:
 class GPUAugment:
     """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``.
 
-    Apart from ``decode`` so that a decode thread can leave it to the training thread: the policy draws from torch's
-    process-wide generators, which no other thread may use meanwhile.
+    Kept apart from ``decode`` so that the prefetcher's decode thread leaves it to the training thread: the policy
+    seeds torch's process-wide generators, which that thread draws from meanwhile.
     """
 
     positions: list[int]

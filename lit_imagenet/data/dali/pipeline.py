@@ -137,7 +137,7 @@ def build_pipeline(
         decode_args["hw_decoder_load"] = hw_decoder_load
 
     policy = augment is not None and augment.policy is not None
-    options: dict[str, Any] = {"enable_conditionals": True} if policy else {}  # auto_aug picks ops by conditionals
+    options: dict[str, Any] = {"enable_conditionals": True} if policy else {}  # auto_aug picks its ops by `if`
 
     # seed: only a policy is drawn in the pipeline, the crops come from the samples' seeds
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=seed, **options)
@@ -159,12 +159,11 @@ def build_pipeline(
                 **decode_args,
             )  # fmt: skip
             images = fn.resize(images, resize_x=crop_size, resize_y=crop_size, antialias=True)
-            if policy:
-                images = _policy(images, augment, crop_size)  # type: ignore[arg-type]
-            if erasing:  # a 0 x 0 box erases nothing
-                images = fn.erase(
-                    images, anchor=outputs[3], shape=outputs[4], axis_names="HW", fill_value=list(augment.fill)
-                )  # type: ignore[union-attr]
+            if augment is not None and augment.policy is not None:
+                images = _policy(images, augment, crop_size)
+            if erasing and augment is not None:  # a 0 x 0 box erases nothing
+                fill = list(augment.fill)
+                images = fn.erase(images, anchor=outputs[3], shape=outputs[4], axis_names="HW", fill_value=fill)
         else:
             images = fn.decoders.image(encoded, device=decode_device, **decode_args)
             resized, position = fn.external_source(
