@@ -15,8 +15,10 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
+from lit_imagenet.data.augment import Augment, erase_boxes
 from lit_imagenet.data.crops import CROP_RATIO, CROP_TRIES, CropBox, crop_draws, crop_windows, flips
 from lit_imagenet.data.dali.loader import DALILoader, batch_dtype, dali_install_command
+from lit_imagenet.data.dali.pipeline import pipeline_seed
 from lit_imagenet.data.datamodule import ImageFolderDataModule, choose_decoder
 from lit_imagenet.data.prefetch import PrefetchLoader
 from lit_imagenet.data.presets import IMAGENET_STD, Uint8Normalize
@@ -250,6 +252,68 @@ def test_a_resumed_epoch_continues_with_the_very_same_batches(shapes_root: Path)
     for (x, y), (ex, ey) in zip(rest, expected[2:]):
         assert torch.equal(x, ex) and torch.equal(y, ey)
     assert len(list(resumed)) == len(expected)  # only the first pass skips
+
+
+def _augmented(root: Path, augment: Augment | None, seed: int = 3, epoch: int = 1, skip: int = 0) -> DALILoader:
+    """A training loader of ``root`` with ``augment``, at ``epoch`` (resumed after ``skip`` samples)."""
+    samples = _module(root).samples("train")
+    sampler = EpochSeededSampler(samples, seed=seed)
+    sampler.resume_at(epoch, skip)
+    return DALILoader(samples, 6, True, 32, 36, (0.08, 1.0), 2, sampler=sampler, augment=augment)
+
+
+def _epoch(loader: DALILoader) -> tuple[torch.Tensor, torch.Tensor]:
+    batches = list(loader)
+    return torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+
+
+@pytest.mark.parametrize("policy", ["ta_wide", "ra"])
+def test_an_augmented_epoch_differs_from_a_plain_one_and_repeats_for_its_seed(shapes_root: Path, policy) -> None:
+    augment = Augment(policy=policy, ra_magnitude=15, random_erase=0.5)
+    plain, labels = _epoch(_augmented(shapes_root, None))
+    assert torch.equal(_epoch(_augmented(shapes_root, Augment()))[0], plain)  # no augmentation: today's batches
+    first, first_labels = _epoch(_augmented(shapes_root, augment))
+    assert torch.equal(first_labels, labels) and first.shape == plain.shape
+    changed = (first - plain).abs().amax(dim=(1, 2, 3)) > 0.1
+    assert changed.sum() >= len(plain) // 2, changed  # the policy (and erasing) changed most images
+    assert torch.equal(_epoch(_augmented(shapes_root, augment))[0], first)
+    other = _epoch(_augmented(shapes_root, augment, seed=4))[0]
+    assert not torch.equal(other, first)
+    # A resumed epoch: the same batches again for the same position.
+    resumed = _epoch(_augmented(shapes_root, augment, skip=12))[0]
+    assert resumed.shape[0] == 12 and torch.equal(_epoch(_augmented(shapes_root, augment, skip=12))[0], resumed)
+
+
+def test_erased_boxes_are_erase_boxes_filled_with_the_mean(shapes_root: Path) -> None:
+    """With erasing alone: each image is the plain one outside ``erase_boxes``' box (mirrored crops included) and
+    the normalised fill, about 0, inside it."""
+    loader = _augmented(shapes_root, Augment(random_erase=1.0))
+    seeds = np.array([seed for _, seed in loader.sampler])
+    erased, _ = _epoch(loader)
+    plain, _ = _epoch(_augmented(shapes_root, None))
+    boxes = erase_boxes(seeds, 32, 32, 1.0)
+    assert (boxes[:, 2] > 0).sum() >= len(boxes) - 2  # nearly every box fits at these sizes
+    for k, (top, left, height, width) in enumerate(boxes.tolist()):
+        inside = torch.zeros(32, 32, dtype=torch.bool)
+        inside[top : top + height, left : left + width] = True
+        assert torch.equal(erased[k][:, ~inside], plain[k][:, ~inside]), k
+        assert erased[k][:, inside].abs().max() < 0.01, k  # round(255 * mean) normalised
+        assert height == 0 or plain[k][:, inside].abs().max() > 0.1, k  # the box was not blank before
+
+
+def test_augmix_with_dali_is_refused_in_one_line(shapes_root: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        _augmented(shapes_root, Augment(policy="augmix"))
+    assert str(error.value) == (
+        "--data.auto_augment augmix is not available with --data.decoder dali, which has no AugMix: "
+        "choose ta_wide or ra, or the pil, torchvision or nvjpeg decoder."
+    )
+
+
+def test_the_policys_pipeline_seed_follows_seed_epoch_resume_and_rank() -> None:
+    seeds = {pipeline_seed(*args) for args in [(3, 1, 0, 0), (4, 1, 0, 0), (3, 2, 0, 0), (3, 1, 12, 0), (3, 1, 0, 1)]}
+    assert len(seeds) == 5 and all(0 <= s < 2**31 for s in seeds)
+    assert pipeline_seed(3, 1, 12, 0) == pipeline_seed(3, 1, 12, 0)
 
 
 def test_each_epoch_gets_a_pipeline_of_the_samplers_order(shapes_root: Path, monkeypatch) -> None:
@@ -558,6 +622,32 @@ def test_mixed_decoder_batches_on_the_gpu_and_a_short_fit(learnable_root: Path, 
     assert ((gpu_images - cpu_images) * STD_255).abs().mean() < 3
     assert torch.isfinite(trainer.callback_metrics["train/loss_epoch"])
     assert trainer.callback_metrics["val/top1"] > 1 / 3 + 0.1
+
+
+@pytest.mark.gpu
+def test_the_mixed_pipeline_augments_as_the_cpu_one(shapes_root: Path) -> None:
+    """On the GPU: a ta_wide epoch repeats for its seed and differs from a plain one; erasing alone erases
+    ``erase_boxes``' boxes (mirrored crops included) with the normalised mean, about 0, and leaves the rest."""
+
+    def epoch(augment: Augment | None, seed: int = 3) -> torch.Tensor:
+        loader = _augmented(shapes_root, augment, seed=seed)
+        loader = DALILoader(loader.samples, 6, True, 32, 36, (0.08, 1.0), 2, sampler=loader.sampler,
+                            device=torch.device("cuda"), augment=augment)  # fmt: skip
+        return torch.cat([x for x, _ in loader]).cpu()
+
+    plain, policy = epoch(None), Augment(policy="ta_wide")
+    first = epoch(policy)
+    assert torch.equal(epoch(policy), first) and not torch.equal(first, plain)
+    assert ((first - plain).abs().amax(dim=(1, 2, 3)) > 0.1).sum() >= len(plain) // 2
+    erased = epoch(Augment(random_erase=1.0))
+    seeds = np.array([seed for _, seed in _augmented(shapes_root, None).sampler])
+    boxes = erase_boxes(seeds, 32, 32, 1.0)
+    assert (boxes[:, 2] > 0).sum() >= len(boxes) - 2
+    for k, (top, left, height, width) in enumerate(boxes.tolist()):
+        inside = torch.zeros(32, 32, dtype=torch.bool)
+        inside[top : top + height, left : left + width] = True
+        torch.testing.assert_close(erased[k][:, ~inside], plain[k][:, ~inside], rtol=0, atol=0.02)  # a level
+        assert erased[k][:, inside].abs().max() < 0.01, k
 
 
 def test_loader_workers_forked_after_a_dali_pipeline_became_garbage_keep_running(shapes_root: Path) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
+from lit_imagenet.data.augment import Augment, augment_image, erase_boxes, policy_transform
 from lit_imagenet.data.crops import CropBox, center_crop_box
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.images import load_rgb_tensor
@@ -18,7 +19,11 @@ from lit_imagenet.data.nvjpeg import (
     collate_encoded,
     gpu_share_picks,
 )
+from lit_imagenet.data.presets import TrainCrop
+from lit_imagenet.data.samplers import EpochSeededSampler
 from lit_imagenet.errors import DataError
+
+TA_ERASE = Augment(policy="ta_wide", random_erase=0.5)
 
 
 def _module(root: Path, decoder: str, **kwargs) -> ImageFolderDataModule:
@@ -216,3 +221,123 @@ def test_compiled_crop_resize_equals_the_python_one() -> None:
     crop = pictures[4][None, :, 4:34, 8:32].float()
     by_hand = torch.nn.functional.interpolate(crop, size=[16, 16], mode="bilinear", antialias=True)
     assert torch.equal(expected[4], by_hand[0].round().clamp(0, 255).to(torch.uint8).flip(-1))
+
+
+def _worker_transform(augment: Augment | None):
+    """The training transform of the images the workers decode: the crop and flip, then ``augment``."""
+    crop, policy = TrainCrop(32, (0.08, 1.0)), policy_transform(augment) if augment else None
+    return lambda img, seed: augment_image(crop(img, seed), seed, augment, policy) if augment else crop(img, seed)
+
+
+def _encoded(root: Path, augment: Augment | None, share: float = 1.0, seed: int = 3) -> tuple[EncodedBatch, list]:
+    """A training batch of 10 of ``root``'s samples for the nvjpeg decoder, and their ``(index, seed)`` pairs."""
+    samples = _module(root, "nvjpeg").samples("train")
+    sampler = EpochSeededSampler(samples, seed=seed)
+    sampler.set_epoch(1)
+    pairs = list(sampler)[:10]
+    dataset = EncodedImageFolderDataset(samples, _worker_transform(augment), True, 32, (0.08, 1.0), 36, share,
+                                        augment=augment)  # fmt: skip
+    return collate_encoded([dataset[pair] for pair in pairs], torch.contiguous_format), pairs
+
+
+def _augmented_by_hand(plain: torch.Tensor, pairs: list, augment: Augment) -> torch.Tensor:
+    policy = policy_transform(augment)
+    return torch.stack([augment_image(img, seed, augment, policy) for img, (_, seed) in zip(plain, pairs)])
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_gpu_decoded_images_get_their_seeds_augmentation_once(shapes_root: Path, share: float) -> None:
+    """Decoded here on the CPU: each GPU-decoded crop is ``augment_image`` of the plain crop with the sample's seed;
+    a worker-decoded one keeps the workers' augmentation, applied once."""
+    batch, pairs = _encoded(shapes_root, TA_ERASE, share)
+    plain, _ = _encoded(shapes_root, None, share)[0].decode("cpu")
+    images, _ = batch.decode("cpu")
+    assert batch.augment == TA_ERASE and len(batch.seeds) == len(batch.encoded_positions) > 0
+    gpu = batch.encoded_positions
+    assert torch.equal(images[gpu], _augmented_by_hand(plain, pairs, TA_ERASE)[gpu])
+    if share < 1.0:
+        assert batch.decoded_positions and torch.equal(images[batch.decoded_positions], batch.decoded)
+        assert not torch.equal(batch.decoded, plain[batch.decoded_positions])  # the workers augmented them
+    assert ((images.int() - plain.int()).abs().amax(dim=(1, 2, 3)) > 8).sum() >= len(plain) // 2
+    assert torch.equal(_encoded(shapes_root, TA_ERASE, share)[0].decode("cpu")[0], images)
+    assert not torch.equal(_encoded(shapes_root, TA_ERASE, share, seed=4)[0].decode("cpu")[0], images)
+
+
+def test_a_seed_gets_the_same_policy_decoded_by_the_gpu_path_or_by_a_worker(shapes_root: Path) -> None:
+    """The same crops, decoded on the GPU path (here on the CPU) and by the workers, get the same policy draws:
+    they differ by the resize's rounding alone, far less than the same crops with other draws."""
+    augment = Augment(policy="ta_wide")
+    gpu, _ = _encoded(shapes_root, augment, 1.0)[0].decode("cpu")
+    workers, _ = _encoded(shapes_root, augment, 0.0)[0].decode("cpu")
+    plain, pairs = _encoded(shapes_root, None, 0.0)
+    other = _augmented_by_hand(plain.decode("cpu")[0], [(i, seed + 1) for i, seed in pairs], augment)
+    near = (gpu.float() - workers.float()).abs().mean(dim=(1, 2, 3))
+    far = (gpu.float() - other.float()).abs().mean(dim=(1, 2, 3))
+    assert near.max() < 1.0 and far.mean() > 10 * near.mean(), (near, far)
+
+
+def test_erasing_gpu_decoded_images_fills_erase_boxes_with_the_mean(shapes_root: Path) -> None:
+    augment = Augment(random_erase=1.0)
+    batch, pairs = _encoded(shapes_root, augment)
+    plain, _ = _encoded(shapes_root, None)[0].decode("cpu")
+    images, _ = batch.decode("cpu")
+    boxes = erase_boxes([seed for _, seed in pairs], 32, 32, 1.0)
+    assert (boxes[:, 2] > 0).sum() >= len(boxes) - 2
+    fill = torch.tensor(augment.fill, dtype=torch.uint8)[:, None]
+    for k, (top, left, height, width) in enumerate(boxes.tolist()):
+        inside = torch.zeros(32, 32, dtype=torch.bool)
+        inside[top : top + height, left : left + width] = True
+        assert torch.equal(images[k][:, ~inside], plain[k][:, ~inside]), k
+        assert torch.equal(images[k][:, inside], fill.expand(3, int(inside.sum()))), k
+
+
+@pytest.mark.gpu
+def test_cuda_decoded_images_get_their_seeds_augmentation(shapes_root: Path) -> None:
+    """On the GPU: an augmented batch repeats for its seed, differs from a plain one, is ``augment_image`` of the
+    plain crops with the samples' seeds (the same draws as on the CPU), and erasing alone fills ``erase_boxes``."""
+    cuda = torch.device("cuda")
+    batch, pairs = _encoded(shapes_root, TA_ERASE)
+    plain, _ = _encoded(shapes_root, None)[0].decode(cuda)
+    images, _ = batch.decode(cuda)
+    assert torch.equal(images, _augmented_by_hand(plain, pairs, TA_ERASE))
+    assert torch.equal(_encoded(shapes_root, TA_ERASE)[0].decode(cuda)[0], images)
+    assert ((images.int() - plain.int()).abs().amax(dim=(1, 2, 3)) > 8).sum() >= len(plain) // 2
+    on_cpu, _ = _encoded(shapes_root, TA_ERASE)[0].decode("cpu")  # libjpeg instead of nvJPEG: a level or two apart
+    assert (images.cpu().float() - on_cpu.float()).abs().mean(dim=(1, 2, 3)).max() < 3
+    erase = Augment(random_erase=1.0)
+    erased, _ = _encoded(shapes_root, erase)[0].decode(cuda)
+    boxes = erase_boxes([seed for _, seed in pairs], 32, 32, 1.0)
+    fill = torch.tensor(erase.fill, dtype=torch.uint8, device=cuda)[:, None]
+    for k, (top, left, height, width) in enumerate(boxes.tolist()):
+        inside = torch.zeros(32, 32, dtype=torch.bool, device=cuda)
+        inside[top : top + height, left : left + width] = True
+        assert torch.equal(erased[k][:, ~inside], plain[k][:, ~inside]), k
+        assert torch.equal(erased[k][:, inside], fill.expand(3, int(inside.sum()))), k
+
+
+@pytest.mark.gpu
+def test_prefetched_augmented_nvjpeg_batches_equal_inline_decoding(shapes_root: Path) -> None:
+    """The prefetcher decodes in its thread and augments in the training thread: the batches are those decoded and
+    augmented inline, in order."""
+    from functools import partial
+
+    from lit_imagenet.data.prefetch import PrefetchLoader
+    from lit_imagenet.data.presets import Uint8Normalize
+
+    cuda = torch.device("cuda")
+    samples = _module(shapes_root, "nvjpeg").samples("train")
+
+    def loader(device: torch.device | None) -> PrefetchLoader:
+        sampler = EpochSeededSampler(samples, seed=3)
+        dataset = EncodedImageFolderDataset(samples, _worker_transform(TA_ERASE), True, 32, (0.08, 1.0), 36, 0.5,
+                                            augment=TA_ERASE)  # fmt: skip
+        collate = partial(collate_encoded, memory_format=torch.contiguous_format)
+        return PrefetchLoader(dataset, batch_size=6, sampler=sampler, collate_fn=collate, device=device)
+
+    inline = [batch.decode(cuda) for batch in loader(None)]
+    prefetched = list(loader(cuda))
+    assert len(prefetched) == len(inline) == 4
+    norm = Uint8Normalize().to(cuda)
+    for (images, targets), (x, y) in zip(inline, prefetched):
+        assert torch.equal(targets, y)
+        torch.testing.assert_close(norm(images), x, rtol=0, atol=0)

@@ -12,24 +12,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import v2
 
+from lit_imagenet.data.augment import Augment, apply_policy, erase_boxes, policy_transform
 from lit_imagenet.data.crops import CropBox, center_crop_box, crop_and_flip
 from lit_imagenet.data.datasets import ImageFolderDataset
 from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, jpeg_size, load_rgb_tensor, read_bytes
 
 
 class EncodedImage(NamedTuple):
-    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it."""
+    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it; for training with
+    ``augment``, the sample's augmentation ``seed``."""
 
     data: Tensor
     box: CropBox
     size: int
     flip: bool
     path: str
+    seed: int | None = None
+    augment: Augment | None = None
 
 
 def gpu_share_picks(index: int, share: float) -> bool:
@@ -43,9 +49,13 @@ class EncodedImageFolderDataset(ImageFolderDataset):
     """Samples for GPU decoding: ``(EncodedImage, class index)``, or a worker-decoded crop for the rest.
 
     Args:
-        transform: The CPU transform for the images decoded here.
+        transform: The CPU transform for the images decoded here (for training, with ``augment`` applied).
         samples, train, crop_size, crop_scale, val_resize: As in ``DALILoader``.
         gpu_share: Fraction of the images decoded on the GPU.
+        augment: Training only: the augmentations of the images decoded on the GPU, applied there by
+            ``transforms.v2`` to the crop from the sample's seed (``augment.augment_image``), as the workers apply
+            them to the rest: a seed gets the same draws on either side, except AugMix's mixing weights, which
+            torch draws on the GPU's generator for GPU tensors.
     """
 
     def __init__(
@@ -57,6 +67,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         crop_scale: tuple[float, float],
         val_resize: int,
         gpu_share: float = 1.0,
+        augment: Augment | None = None,
     ) -> None:
         super().__init__(samples, transform, load_rgb_tensor)
         self.train = train
@@ -64,6 +75,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         self.crop_scale = crop_scale
         self.val_resize = val_resize
         self.gpu_share = gpu_share
+        self.augment = augment if train and augment else None
 
     def __getitem__(self, item: int | tuple[int, int]) -> tuple[Any, int]:
         index, seed = item if isinstance(item, tuple) else (item, None)
@@ -77,8 +89,53 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
-        return EncodedImage(data, box, self.crop_size, flip, path), target
+        if self.augment is None:
+            box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
+            return EncodedImage(data, box, self.crop_size, flip, path), target
+        if seed is None:  # as crop_and_flip draws it: the crop and the augmentation share it
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        box, flip = crop_and_flip(height, width, seed, self.crop_scale)
+        return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
+
+
+@functools.cache
+def _policy(augment: Augment) -> v2.Transform | None:
+    return policy_transform(augment)
+
+
+@dataclass(frozen=True)
+class GPUAugment:
+    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``.
+
+    Kept apart from ``decode`` so that the prefetcher's decode thread leaves it to the training thread: the policy
+    seeds torch's process-wide generators, which that thread draws from meanwhile.
+    """
+
+    positions: list[int]
+    seeds: list[int]
+    augment: Augment
+
+    def __call__(self, images: Tensor) -> Tensor:
+        """``images`` (uint8 ``(N, 3, S, S)``) with the policy, then the erasing, applied at ``positions``, in place."""
+        transform = _policy(self.augment)
+        if transform is not None:
+            for pos, seed in zip(self.positions, self.seeds):
+                images[pos] = apply_policy(transform, images[pos], seed)
+        if self.augment.random_erase > 0:
+            height, width = images.shape[-2:]
+            boxes = erase_boxes(self.seeds, height, width, self.augment.random_erase)
+            kept = np.flatnonzero(boxes[:, 2] > 0)
+            if len(kept) > 0:  # one mask for the batch: a kernel or two, not one per image
+                device = images.device
+                top, left, tall, wide = torch.from_numpy(boxes[kept]).to(device).unbind(1)
+                rows, cols = torch.arange(height, device=device), torch.arange(width, device=device)
+                in_rows = (rows >= top[:, None]) & (rows < (top + tall)[:, None])
+                in_cols = (cols >= left[:, None]) & (cols < (left + wide)[:, None])
+                mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]
+                where = torch.tensor([self.positions[k] for k in kept], dtype=torch.int64, device=device)
+                fill = torch.tensor(self.augment.fill, dtype=images.dtype, device=device).view(1, 3, 1, 1)
+                images.index_copy_(0, where, torch.where(mask, fill, images.index_select(0, where)))
+        return images
 
 
 @dataclass
@@ -92,9 +149,11 @@ class EncodedBatch:
         blob: uint8, the encoded files one after the other; ``lengths``: their sizes in bytes.
         crops: For each of them: the crop box, whether to mirror it, and its path.
         encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
-        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded already (or ``None``).
+        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented) already (or ``None``).
         size: The side ``S`` of the output images.
         memory_format: Of the output batch.
+        seeds: The augmentation seeds of the encoded images, when ``augment`` is given.
+        augment: The training augmentations of the encoded images, or ``None``.
     """
 
     targets: Tensor
@@ -106,6 +165,8 @@ class EncodedBatch:
     decoded_positions: list[int]
     size: int
     memory_format: torch.memory_format = field(default=torch.contiguous_format)
+    seeds: list[int] = field(default_factory=list)
+    augment: Augment | None = None
 
     def __len__(self) -> int:
         return int(self.targets.shape[0])
@@ -114,10 +175,19 @@ class EncodedBatch:
     def encoded(self) -> list[EncodedImage]:
         """The images to decode on the device, their bytes as slices of ``blob``."""
         out, start = [], 0
-        for (box, flip, path), length in zip(self.crops, self.lengths):
-            out.append(EncodedImage(self.blob[start : start + length], box, self.size, flip, path))
+        seeds: list[int | None] = list(self.seeds) if self.augment is not None else [None] * len(self.crops)
+        for (box, flip, path), length, seed in zip(self.crops, self.lengths, seeds):
+            augment = self.augment if seed is not None else None
+            out.append(EncodedImage(self.blob[start : start + length], box, self.size, flip, path, seed, augment))
             start += length
         return out
+
+    @property
+    def gpu_augment(self) -> GPUAugment | None:
+        """The augmentations ``decode`` applies to the images it decodes, or ``None``."""
+        if self.augment is None or not self.encoded_positions:
+            return None
+        return GPUAugment(self.encoded_positions, self.seeds, self.augment)
 
     def pin_memory(self) -> EncodedBatch:
         """Pins the labels, the worker-decoded images and the encoded bytes (which nvJPEG then reads)."""
@@ -128,8 +198,9 @@ class EncodedBatch:
             decoded=self.decoded.pin_memory() if self.decoded is not None else None,
         )
 
-    def decode(self, device: torch.device | str) -> list[Tensor]:
-        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there.
+    def decode(self, device: torch.device | str, augment: bool = True) -> list[Tensor]:
+        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there, and with
+        ``augment`` augmented there (``gpu_augment``; else left to the caller).
 
         Raises:
             DataError: An image cannot be decoded; the message names the file.
@@ -148,6 +219,9 @@ class EncodedBatch:
             out = _scripted_resize_crops()(pictures, boxes, flips, self.size)
             where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
             images.index_copy_(0, where, out)
+            pending = self.gpu_augment
+            if augment and pending is not None:
+                images = pending(images)
         return [images, self.targets.to(device, non_blocking=True)]
 
 
@@ -212,4 +286,6 @@ def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memor
         decoded_positions=[pos for pos, _ in decoded],
         size=sides[0],
         memory_format=memory_format,
+        seeds=[int(item.seed) for _, item in encoded if item.augment is not None],
+        augment=next((item.augment for _, item in encoded if item.augment is not None), None),
     )

@@ -19,6 +19,9 @@ from lit_imagenet.compat import stop_workers
 from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
 
+# A batch on the device, the event its copy recorded, and the augmentations left to the iterating thread.
+_Copied = tuple[Any, torch.cuda.Event, Callable[[Tensor], Tensor] | None]
+
 
 def _map(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
     if isinstance(batch, Tensor):
@@ -38,7 +41,8 @@ class CUDAPrefetcher:
     """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
     A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
     copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode
-    blocks its calling thread until the GPU is done."""
+    blocks its calling thread until the GPU is done. A decoded batch's augmentations (``gpu_augment``) run in the
+    iterating thread, before the normalisation: their draws use torch's process-wide generators."""
 
     def __init__(
         self,
@@ -59,7 +63,7 @@ class CUDAPrefetcher:
         self.stream.wait_stream(torch.cuda.current_stream(device))
         self._decoder: ThreadPoolExecutor | None = None
         self._decode_stream: torch.cuda.Stream | None = None
-        self._pending: deque[Future[tuple[Any, torch.cuda.Event]]] = deque()
+        self._pending: deque[Future[_Copied]] = deque()
         self._exhausted = False
         self._preload()
 
@@ -68,18 +72,21 @@ class CUDAPrefetcher:
             return [self.normalize(batch[0]), *batch[1:]]
         return batch
 
-    def _copy(self, batch: Any, stream: torch.cuda.Stream) -> tuple[Any, torch.cuda.Event]:
+    def _copy(self, batch: Any, stream: torch.cuda.Stream) -> _Copied:
         # Also runs in the decode thread, whose current device and stream are its own.
+        augment = None
         with record_function("prefetch: copy"), torch.cuda.device(self.device), torch.cuda.stream(stream):
             if self.pin:
                 batch = _pinned(batch)  # freed for reuse once the copy below has run
             if hasattr(batch, "decode"):
-                out = batch.decode(self.device)  # kept in uint8 while queued: a quarter of the bytes of float32
+                augment = getattr(batch, "gpu_augment", None)
+                # kept in uint8 while queued: a quarter of the bytes of float32
+                out = batch.decode(self.device, augment=False) if augment is not None else batch.decode(self.device)
             else:
                 out = self._normalized(_map(batch, lambda t: t.to(self.device, non_blocking=True)))
             done = torch.cuda.Event()
             done.record(stream)
-        return out, done
+        return out, done, augment
 
     def _preload(self) -> None:
         """Queues batches until ``decode_ahead`` encoded batches, or one plain batch, are on their way."""
@@ -102,7 +109,7 @@ class CUDAPrefetcher:
                     self._decode_stream.wait_stream(torch.cuda.current_stream(self.device))  # the constants' copy
                 self._pending.append(self._decoder.submit(self._copy, batch, self._decode_stream))
                 continue
-            ready: Future[tuple[Any, torch.cuda.Event]] = Future()
+            ready: Future[_Copied] = Future()
             ready.set_result(self._copy(batch, self.stream))
             self._pending.append(ready)
 
@@ -113,10 +120,13 @@ class CUDAPrefetcher:
         if not self._pending:
             raise StopIteration
         with record_function("prefetch: wait for decode"):
-            batch, done = self._pending.popleft().result()  # an error from decoding is raised here, in the loop
+            batch, done, augment = self._pending.popleft().result()  # an error from decoding is raised here
         current = torch.cuda.current_stream(self.device)
         current.wait_event(done)
         _map(batch, lambda t: t.record_stream(current))
+        if augment is not None:
+            with record_function("prefetch: augment"):
+                batch = [augment(batch[0]), *batch[1:]]
         batch = self._normalized(batch)  # a decoded batch's images, on the training stream: one small kernel
         self._preload()
         return batch

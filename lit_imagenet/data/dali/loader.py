@@ -17,7 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Sampler
 
-from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline
+from lit_imagenet.data.augment import Augment
+from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline, pipeline_seed
 from lit_imagenet.data.images import ImageSizes, load_rgb
 from lit_imagenet.data.index import SampleTable
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
@@ -85,6 +86,14 @@ class DALILoader:
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
+        augment: Training only: the auto-augment policy, by DALI's ``nvidia.dali.auto_aug`` (``ta_wide``, ``ra``),
+            and the random erasing, after the crop and before the flip and normalisation. The crops, flips and
+            erased boxes are those of the other decoders for a seed; the policy is drawn by DALI from a seed of
+            the run's seed, the epoch, the samples a resume skips and the rank, so its draws differ from the other
+            decoders', and a resumed epoch's from those of the uninterrupted one.
+
+    Raises:
+        ConfigError: ``augment``'s policy is ``augmix``, which DALI does not have.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -106,7 +115,13 @@ class DALILoader:
         std: Sequence[float] = IMAGENET_STD,
         hw_decoder_load: float = HW_DECODER_LOAD,
         max_batches: int | None = None,
+        augment: Augment | None = None,
     ) -> None:
+        if train and augment is not None and augment.policy == "augmix":
+            raise ConfigError(
+                "--data.auto_augment augmix is not available with --data.decoder dali, which has no AugMix: "
+                "choose ta_wide or ra, or the pil, torchvision or nvjpeg decoder."
+            )
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"DALI batches are float32 or float16. Got {dtype}")
         import_dali()
@@ -129,6 +144,8 @@ class DALILoader:
         self.std = tuple(std)
         self.hw_decoder_load = hw_decoder_load
         self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
+        self.augment = augment if train and augment else None
+        self._seed = 0  # the pipeline's seed for the pass being built (``pipeline_seed``)
         self._sizes = ImageSizes(self.samples)  # read from the headers as the batches need them
         self._kept: tuple[Any, np.ndarray] | None = None  # an evaluation pipeline at its first batch, and its order
         self._active: Generator[list[Tensor], None, None] | None = None
@@ -155,10 +172,13 @@ class DALILoader:
             else:
                 indices = np.fromiter(iter(self.sampler), dtype=np.int64)
             return (indices if self.max_batches is None else indices[: self.max_batches * self.batch_size]), None
+        self._seed = 0
         if self.sampler is None:
             return np.arange(len(self.samples), dtype=np.int64), np.zeros(len(self.samples), dtype=np.uint64)
         if isinstance(self.sampler, EpochSeededSampler):
-            return self.sampler.next_pass()
+            s = self.sampler
+            self._seed = pipeline_seed(s.seed, s.epoch, s.skips(), s.rank) if self.augment else 0
+            return s.next_pass()
         pairs = list(self.sampler)
         return np.array([i for i, _ in pairs], dtype=np.int64), np.array([s for _, s in pairs], dtype=np.uint64)
 
@@ -169,7 +189,8 @@ class DALILoader:
 
         source: CropSource | GeometrySource
         if seeds is not None:
-            source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale)
+            erase = (self.augment.random_erase, self.crop_size) if self.augment and self.augment.random_erase else None
+            source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale, erase)
         else:
             source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
         # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
@@ -180,7 +201,7 @@ class DALILoader:
                 batch_size=self.batch_size, threads=self.threads,
                 device_id=None if self.device is None else self.device.index, crop_size=self.crop_size,
                 dtype=self.dtype, channels_last=self.channels_last, mean=self.mean, std=self.std,
-                hw_decoder_load=self.hw_decoder_load,
+                hw_decoder_load=self.hw_decoder_load, augment=self.augment, seed=self._seed,
             )  # fmt: skip
             pipe.build()
             return DALIGenericIterator(
