@@ -96,3 +96,11 @@ def test_one_rep_is_the_plain_order_and_seeds(size: int, replicas: int, done: in
         for rank in range(replicas):
             indices, seeds = epoch_pass(size, 11, epoch, replicas, rank, done, reps=1)
             assert list(zip(indices.tolist(), seeds.tolist())) == _fc83e45_pass(size, 11, epoch, replicas, rank, done)
+
+
+def test_the_data_module_passes_ra_reps_to_the_training_sampler(shapes_root) -> None:
+    from lit_imagenet.data.datamodule import ImageFolderDataModule
+
+    module = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=32, val_resize=36, ra_reps=2)
+    counts = Counter(i for i, _ in module.train_dataloader().sampler)
+    assert sum(counts.values()) == 24 and set(counts.values()) == {2}
