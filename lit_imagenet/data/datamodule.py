@@ -125,17 +125,17 @@ class ImageFolderDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1. Got {batch_size}")
+            raise ConfigError(f"batch_size must be at least 1. Got {batch_size}")
         if workers < 0:
-            raise ValueError(f"workers must not be negative. Got {workers}")
+            raise ConfigError(f"workers must not be negative. Got {workers}")
         if crop_size < 1 or val_resize < crop_size:
-            raise ValueError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
+            raise ConfigError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
         if train_crop_size is not None and train_crop_size < 1:
-            raise ValueError(f"train_crop_size must be at least 1 (or null for crop_size). Got {train_crop_size}")
+            raise ConfigError(f"train_crop_size must be at least 1 (or null for crop_size). Got {train_crop_size}")
         if ra_reps < 1:
-            raise ValueError(f"ra_reps must be at least 1 (1: no repeated augmentation). Got {ra_reps}")
+            raise ConfigError(f"ra_reps must be at least 1 (1: no repeated augmentation). Got {ra_reps}")
         if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
+            raise ConfigError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
         if root is None and predict_root is None:
             raise DataError("No data given; set --data.root to a folder with train/ and val/ sub-folders.")
         self.save_hyperparameters()
@@ -152,22 +152,22 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
         if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
+            raise ConfigError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
         if decoder == "dali":
             import_dali()
         if not 0.0 <= gpu_share <= 1.0:
-            raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
+            raise ConfigError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
         if gpu_decode_ahead < 1:
-            raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
+            raise ConfigError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
         if not 0.0 <= hw_decoder_load <= 1.0:
-            raise ValueError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
+            raise ConfigError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
         self.decoder = decoder
         self._decoder_logged: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         self.hw_decoder_load = float(hw_decoder_load)
         if dali_threads is not None and dali_threads < 1:
-            raise ValueError(f"dali_threads must be at least 1. Got {dali_threads}")
+            raise ConfigError(f"dali_threads must be at least 1. Got {dali_threads}")
         self.dali_threads = dali_threads
         self.persistent_eval_workers = persistent_eval_workers
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
