@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lit_imagenet.data.samplers import EpochSeededSampler, epoch_pass
+from lit_imagenet.data.samplers import EpochSeededSampler, epoch_pass, epoch_samples
 
 
 def _epoch(size: int, reps: int, world: int, epoch: int = 0, seed: int = 7) -> list[list[tuple[int, int]]]:
@@ -104,3 +104,25 @@ def test_the_data_module_passes_ra_reps_to_the_training_sampler(shapes_root) -> 
     module = ImageFolderDataModule(str(shapes_root), batch_size=4, workers=0, crop_size=32, val_resize=36, ra_reps=2)
     counts = Counter(i for i, _ in module.train_dataloader().sampler)
     assert sum(counts.values()) == 24 and set(counts.values()) == {2}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_a_run_with_repeated_augmentation_stopped_mid_epoch_resumes_with_the_rest_of_its_samples(
+    tmp_path, before: int, after: int
+) -> None:
+    from tests.test_resume import _one_image_per_class
+    from tests.test_stop_resume import BATCH, SAMPLES, SEED, _batches, _run
+
+    root = _one_image_per_class(tmp_path / "data", SAMPLES)  # a sample's label is its index
+    out = tmp_path / "run"
+    _run(root, out, "first", before, "--trainer.max_steps", "2", "--data.ra_reps", "2")
+    first = _batches(out / "first")
+    assert {b["epoch"] for b in first} == {0} and 0 < len(first) < SAMPLES // BATCH, first
+    _run(root, out, "second", after, "--trainer.max_epochs", "2", "--ckpt_path", "last", "--data.ra_reps", "2")
+    second = _batches(out / "second")
+    assert min(b["epoch"] for b in second) == 0
+    for epoch in (0, 1):
+        trained = Counter(label for b in first + second if b["epoch"] == epoch for label in b["labels"])
+        assert trained == Counter(epoch_samples(SAMPLES, SEED, epoch, reps=2)[0].tolist()), epoch
+        assert len(trained) == SAMPLES // 2 and set(trained.values()) == {2}
