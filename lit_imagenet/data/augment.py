@@ -21,6 +21,7 @@ from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms.v2 import functional as F
 
 from lit_imagenet.data.crops import uniform_draws
+from lit_imagenet.errors import ConfigError
 
 Policy = Literal["ta_wide", "ra", "augmix"]
 POLICIES: tuple[str, ...] = ("ta_wide", "ra", "augmix")
@@ -52,13 +53,13 @@ class Augment:
 
     def __post_init__(self) -> None:
         if self.policy is not None and self.policy not in POLICIES:
-            raise ValueError(f"auto_augment must be one of {', '.join(POLICIES)} or null. Got {self.policy!r}")
+            raise ConfigError(f"auto_augment must be one of {', '.join(POLICIES)} or null. Got {self.policy!r}")
         if not 0 <= self.ra_magnitude <= 30:
-            raise ValueError(f"ra_magnitude must be in [0, 30]. Got {self.ra_magnitude}")
+            raise ConfigError(f"ra_magnitude must be in [0, 30]. Got {self.ra_magnitude}")
         if not 1 <= self.augmix_severity <= 10:
-            raise ValueError(f"augmix_severity must be in [1, 10]. Got {self.augmix_severity}")
+            raise ConfigError(f"augmix_severity must be in [1, 10]. Got {self.augmix_severity}")
         if not 0.0 <= self.random_erase <= 1.0:
-            raise ValueError(f"random_erase must be a probability in [0, 1]. Got {self.random_erase}")
+            raise ConfigError(f"random_erase must be a probability in [0, 1]. Got {self.random_erase}")
 
     def __bool__(self) -> bool:
         return self.policy is not None or self.random_erase > 0

@@ -14,6 +14,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DistributedSampler
 
 from lit_imagenet.data import presets
+from lit_imagenet.data.augment import Augment, Policy
 from lit_imagenet.data.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, dali_install_command, import_dali
 from lit_imagenet.data.datasets import ImageFolderDataset, collate_uint8
 from lit_imagenet.data.folders import scan_predict, scan_root
@@ -59,7 +60,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/``, ``val/`` (and optionally ``test/``), each with one sub-folder per class.
         batch_size: Images per batch in each process.
         workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
-        crop_size: Side of the square crops fed to the network.
+        crop_size: Side of the square centre crops of evaluation (and of training's crops unless
+            ``train_crop_size``).
         val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
         channels_last: Collate batches in channels_last memory format. ``None``: on a CUDA device.
@@ -78,6 +80,19 @@ class ImageFolderDataModule(pl.LightningDataModule):
             ``~/.cache/lit_imagenet/index``).
         dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's cores, 2-8.
         persistent_eval_workers: Keep the validation, test and predict loader workers between passes.
+        train_crop_size: Side of the square training crops (FixRes: train at 176, evaluate at ``val_resize`` 232 and
+            ``crop_size`` 224). ``None``: ``crop_size``.
+        auto_augment: Policy applied to each training crop after the flip: ``ta_wide`` (TrivialAugmentWide), ``ra``
+            (RandAugment) or ``augmix`` (AugMix), torchvision's, bilinear. ``None``: none.
+        ra_magnitude: RandAugment's magnitude (0-30) with ``auto_augment: ra``.
+        augmix_severity: AugMix's severity (1-10) with ``auto_augment: augmix``.
+        random_erase: Probability that a training crop gets a random box filled with the normalisation mean
+            (torchvision's ``RandomErasing``, after the policy).
+        ra_reps: Repeated augmentation: each epoch shows ``1 / ra_reps`` of the training images, each ``ra_reps``
+            times with different augmentations on different processes; an epoch keeps the split's length. 1: off.
+
+    Every decoder draws the crop, flip and erased box of a sample from its seed alike; DALI draws its policy from its
+    own generator, the others from torch's seeded by the sample's seed.
     """
 
     def __init__(
@@ -101,16 +116,26 @@ class ImageFolderDataModule(pl.LightningDataModule):
         index_dir: str | None = None,
         dali_threads: int | None = None,
         persistent_eval_workers: bool = False,
+        train_crop_size: int | None = None,
+        auto_augment: Policy | None = None,
+        ra_magnitude: int = 9,
+        augmix_severity: int = 3,
+        random_erase: float = 0.0,
+        ra_reps: int = 1,
     ) -> None:
         super().__init__()
         if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1. Got {batch_size}")
+            raise ConfigError(f"batch_size must be at least 1. Got {batch_size}")
         if workers < 0:
-            raise ValueError(f"workers must not be negative. Got {workers}")
+            raise ConfigError(f"workers must not be negative. Got {workers}")
         if crop_size < 1 or val_resize < crop_size:
-            raise ValueError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
+            raise ConfigError(f"Need 0 < crop_size <= val_resize. Got crop_size={crop_size}, val_resize={val_resize}")
+        if train_crop_size is not None and train_crop_size < 1:
+            raise ConfigError(f"train_crop_size must be at least 1 (or null for crop_size). Got {train_crop_size}")
+        if ra_reps < 1:
+            raise ConfigError(f"ra_reps must be at least 1 (1: no repeated augmentation). Got {ra_reps}")
         if not 0 < crop_scale[0] <= crop_scale[1] <= 1:
-            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
+            raise ConfigError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
         if root is None and predict_root is None:
             raise DataError("No data given; set --data.root to a folder with train/ and val/ sub-folders.")
         self.save_hyperparameters()
@@ -120,33 +145,39 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.crop_size = crop_size
         self.val_resize = val_resize
         self.crop_scale = (float(crop_scale[0]), float(crop_scale[1]))
+        self.train_crop_size = crop_size if train_crop_size is None else train_crop_size
+        self.ra_reps = ra_reps
         self.channels_last = channels_last
         self.pin_memory = pin_memory
         self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
         if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
+            raise ConfigError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
         if decoder == "dali":
             import_dali()
         if not 0.0 <= gpu_share <= 1.0:
-            raise ValueError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
+            raise ConfigError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
         if gpu_decode_ahead < 1:
-            raise ValueError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
+            raise ConfigError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
         if not 0.0 <= hw_decoder_load <= 1.0:
-            raise ValueError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
+            raise ConfigError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
         self.decoder = decoder
         self._decoder_logged: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         self.hw_decoder_load = float(hw_decoder_load)
         if dali_threads is not None and dali_threads < 1:
-            raise ValueError(f"dali_threads must be at least 1. Got {dali_threads}")
+            raise ConfigError(f"dali_threads must be at least 1. Got {dali_threads}")
         self.dali_threads = dali_threads
         self.persistent_eval_workers = persistent_eval_workers
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
         self.mean = IMAGENET_MEAN
         self.std = IMAGENET_STD
+        self.augment = Augment(
+            policy=auto_augment, ra_magnitude=ra_magnitude, augmix_severity=augmix_severity,
+            random_erase=random_erase, fill=Augment.fill_of(self.mean),
+        )  # fmt: skip
 
         #: The processes and batch size of the run whose checkpoint this run resumes from (``load_state_dict``).
         self._saved: dict[str, int] | None = None
@@ -193,8 +224,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._splits[split]
 
     def train_transform(self) -> Callable[[Any], Any]:
-        """RandomResizedCrop and horizontal flip, on PIL images (``pil``) or uint8 tensors (the others)."""
-        return presets.train_transform(self.crop_size, self.crop_scale)
+        """RandomResizedCrop to ``train_crop_size``, horizontal flip and ``augment``, on PIL images (``pil``) or uint8
+        tensors (the others)."""
+        return presets.train_transform(self.train_crop_size, self.crop_scale, self.augment)
 
     def eval_transform(self) -> Callable[[Any], Any]:
         """Resize of the short side, then centre crop; on PIL images (``pil``) or uint8 tensors (the others)."""
@@ -233,14 +265,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         samples, memory_format = self.samples(split), self._memory_format()
         if decoder == "nvjpeg":
             dataset: ImageFolderDataset = EncodedImageFolderDataset(
-                samples, transform, train, self.crop_size, self.crop_scale, self.val_resize, self.gpu_share
-            )
+                samples, transform, train, self._crop(train), self.crop_scale, self.val_resize, self.gpu_share,
+                augment=self.augment if train else Augment(),
+            )  # fmt: skip
             collate = partial(collate_encoded, memory_format=memory_format)
         else:
             dataset = ImageFolderDataset(samples, transform, load_rgb_tensor if decoder == "torchvision" else load_rgb)
             collate = partial(collate_uint8, memory_format=memory_format)
         saved = self._saved if train else None
-        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved)
+        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved, self.ra_reps)
         if decoder == "dali":
             return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
@@ -255,12 +288,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
             device = self.trainer.strategy.root_device
         return DALILoader(
-            self.samples(split), self.batch_size, train, self.crop_size, self.val_resize, self.crop_scale,
-            threads=self._dali_threads(), sampler=sampler, device=device,
+            self.samples(split), self.batch_size, train, self._crop(train), self.val_resize, self.crop_scale,
+            augment=self.augment if train else Augment(), threads=self._dali_threads(), sampler=sampler, device=device,
             channels_last=self._memory_format() == torch.channels_last,
             dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None), mean=self.mean,
             std=self.std, hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
         )  # fmt: skip
+
+    def _crop(self, train: bool) -> int:
+        return self.train_crop_size if train else self.crop_size
 
     def _dali_threads(self) -> int:
         if self.dali_threads is not None:

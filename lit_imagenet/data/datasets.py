@@ -49,7 +49,8 @@ class ImageFolderDataset(Dataset):
 def collate_uint8(
     batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format = torch.contiguous_format
 ) -> list[Tensor]:
-    """Stacks same-sized PIL images (or uint8 ``(3, H, W)`` tensors) and targets into ``[uint8 NCHW, int64 (N,)]``."""
+    """Stacks same-sized PIL images and uint8 ``(3, H, W)`` tensors, mixed or not, and targets into
+    ``[uint8 NCHW, int64 (N,)]``."""
     if not batch:
         raise ValueError("Cannot collate an empty batch.")
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)

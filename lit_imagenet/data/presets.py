@@ -11,6 +11,7 @@ from torchvision import transforms
 from torchvision.transforms import v2 as transforms_v2
 from torchvision.transforms.v2 import functional as F
 
+from lit_imagenet.data.augment import Augment, augment_image, policy_transform
 from lit_imagenet.data.crops import crop_and_flip
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -43,22 +44,27 @@ class Uint8Normalize(nn.Module):
 
 class TrainCrop:
     """RandomResizedCrop (area fraction in ``scale``) and a horizontal flip from the sample's seed
-    (``crops.crop_and_flip``), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear)."""
+    (``crops.crop_and_flip``), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear), then
+    ``augment`` from the same seed (``augment.augment_image``; an erased PIL crop comes back as a uint8 tensor)."""
 
-    def __init__(self, size: int, scale: tuple[float, float]) -> None:
+    def __init__(self, size: int, scale: tuple[float, float], augment: Augment | None = None) -> None:
         self.size, self.scale = size, scale
+        self.augment = Augment() if augment is None else augment
+        self.policy = policy_transform(self.augment)
 
     def __call__(self, img: Any, seed: int | None = None) -> Any:
         height, width = F.get_size(img)
         box, flip = crop_and_flip(height, width, seed, self.scale)
         out = F.resized_crop(img, box.top, box.left, box.height, box.width, [self.size, self.size], antialias=True)
-        return F.horizontal_flip(out) if flip else out
+        out = F.horizontal_flip(out) if flip else out
+        # PIL crops stay PIL for the policy: transforms.v2 runs it faster on them than on their tensors.
+        return augment_image(out, seed, self.augment, self.policy) if self.augment else out
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(size={self.size}, scale={self.scale})"
+        return f"{type(self).__name__}(size={self.size}, scale={self.scale}, augment={self.augment})"
 
 
-train_transform = TrainCrop  # (crop_size, crop_scale): the training crop and flip
+train_transform = TrainCrop  # (crop_size, crop_scale, augment): the training crop and flip, then the augmentations
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:

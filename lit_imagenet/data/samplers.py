@@ -1,7 +1,8 @@
 """The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
 
-A training sample's crop and flip depend only on ``(seed, epoch, index)`` (``sample_seeds``), so a run resumed
-part-way through an epoch continues with the very same batches (``resume_position``).
+A training sample's augmentation depends only on ``(seed, epoch, index)`` (``sample_seeds``) and, with repeated
+augmentation, its copy (``copy_seeds``), so a run resumed part-way through an epoch continues with the very same
+batches (``resume_position``), on any number of processes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import torch
 from torch.utils.data import Dataset, DistributedSampler
 
 from lit_imagenet import compat
+from lit_imagenet.data.crops import uniform_draws
+
+_COPY_STREAM = 128  # a copy's seed comes after the crop's and the erasing's draws in the seed's stream
 
 
 def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
@@ -23,36 +27,79 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
     return (np.uint64(base) + np.asarray(indices, dtype=np.uint64)) & np.uint64(0x7FFFFFFFFFFFFFFF)
 
 
-def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0) -> np.ndarray:
-    """The sample indices of ``rank`` in ``epoch``, after the epoch's first ``done`` samples (over all processes).
+def epoch_samples(size: int, seed: int, epoch: int, reps: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The sample indices of ``epoch`` over all processes, ``size`` long, and each one's copy number.
 
-    The permutation is fixed by ``seed + epoch``; the rest after ``done`` is padded to a multiple of ``replicas``
-    and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0).
+    The permutation is fixed by ``seed + epoch // reps``. With ``reps`` above 1 (repeated augmentation), epoch
+    ``epoch`` takes the ``epoch % reps``-th run of ``ceil(size / reps)`` samples of it, each ``reps`` times in a row
+    (copies 0 to ``reps - 1``), so ``reps`` epochs see the whole dataset.
     """
     generator = torch.Generator()
-    generator.manual_seed(seed + epoch)
+    generator.manual_seed(seed + epoch // reps)
     perm = torch.randperm(size, generator=generator).numpy()
-    rest = perm[min(done, size) :]
-    pad = -len(rest) % replicas
+    if reps == 1:
+        return perm, np.zeros(size, dtype=np.int64)
+    shown = -(-size // reps)
+    distinct = perm[(epoch % reps * shown + np.arange(shown)) % size]
+    return np.repeat(distinct, reps)[:size], np.tile(np.arange(reps), shown)[:size]
+
+
+def copy_seeds(seeds: np.ndarray, copies: np.ndarray) -> np.ndarray:
+    """The augmentation seeds of the ``copies``-th copies of samples of ``seeds`` (``sample_seeds``): copy 0 keeps
+    its seed, copy ``k`` takes the ``k``-th draw of the seed's SplitMix64 stream after ``_COPY_STREAM``."""
+    out = np.asarray(seeds, dtype=np.uint64).copy()
+    for k in np.unique(copies[copies > 0]).tolist():
+        rows = copies == k
+        draw = uniform_draws(out[rows], 1, first=_COPY_STREAM + k - 1)[:, 0]
+        out[rows] = (draw * 2.0**53).astype(np.uint64)
+    return out
+
+
+def epoch_pass(
+    size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0, reps: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """The sample indices of ``rank`` in ``epoch`` after the epoch's first ``done`` samples (over all processes), and
+    their augmentation seeds.
+
+    The rest of ``epoch_samples`` after ``done`` is padded to a multiple of ``replicas`` with the epoch's first
+    samples, and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0 and ``reps``
+    is 1), so the copies of a sample go to different processes.
+    """
+    indices, copies = epoch_samples(size, seed, epoch, reps)
+    positions = np.arange(min(done, size), size)
+    pad = -len(positions) % replicas
     if pad:
-        rest = np.concatenate([rest, np.resize(perm, pad)])  # np.resize repeats perm when pad > size
-    return rest[rank::replicas]
+        positions = np.concatenate([positions, np.resize(np.arange(size), pad)])  # repeats when pad > size
+    positions = positions[rank::replicas]
+    picked = indices[positions]
+    return picked, copy_seeds(sample_seeds(seed, epoch, picked), copies[positions])
+
+
+def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0, reps: int = 1) -> np.ndarray:
+    """The sample indices of ``epoch_pass``."""
+    return epoch_pass(size, seed, epoch, replicas, rank, done, reps)[0]
 
 
 class EpochSeededSampler(DistributedSampler):
     """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
 
-    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``.
+    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``; an epoch is as long
+    as the dataset whatever ``reps``.
 
     Args:
         dataset: The training dataset.
         seed: Seed of the order and of the augmentation.
         num_replicas: Number of processes.
         rank: This process's rank.
+        reps: Repeated augmentation: each epoch shows ``1 / reps`` of the samples, each ``reps`` times with
+            different seeds, on different processes (``epoch_samples``). 1: off.
     """
 
-    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+    def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0, reps: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
+        if reps < 1:
+            raise ValueError(f"reps must be at least 1. Got {reps}")
+        self.reps = reps
         self._resume: tuple[int, int] | None = None
 
     def resume_at(self, epoch: int, samples_done: int) -> None:
@@ -65,10 +112,9 @@ class EpochSeededSampler(DistributedSampler):
         return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
 
     def order(self) -> tuple[np.ndarray, np.ndarray]:
-        """This process's sample indices of the next pass and their augmentation seeds (``sample_seeds``)."""
+        """This process's sample indices of the next pass and their augmentation seeds (``epoch_pass``)."""
         size = len(self.dataset)  # type: ignore[arg-type]
-        indices = epoch_order(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips())
-        return indices, sample_seeds(self.seed, self.epoch, indices)
+        return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips(), self.reps)
 
     def next_pass(self) -> tuple[np.ndarray, np.ndarray]:
         """``order``, as the next pass reads it: a resumed epoch's skip is used up."""
@@ -119,17 +165,19 @@ def split_sampler(
     trainer: pl.Trainer | None,
     batch_size: int,
     saved: dict[str, int] | None = None,
+    reps: int = 1,
 ) -> DistributedSampler | None:
     """The sampler of a split's loader for this process: training, an ``EpochSeededSampler`` at the restored position
     of a resumed run; evaluation, an ``UnpaddedDistributedSampler`` under DDP, else none.
 
     A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size`` and
     ``batch_size``, this run's when ``None``); the fit loop's batch counts are moved to this run's batches.
+    ``reps``: the training sampler's repeated augmentation (``EpochSeededSampler``).
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:
         return UnpaddedDistributedSampler(dataset, world, rank) if world > 1 else None
-    sampler = EpochSeededSampler(dataset, seed, world, rank)
+    sampler = EpochSeededSampler(dataset, seed, world, rank, reps)
     if trainer is None:
         return sampler
     old_world, old_batch = (saved["world_size"], saved["batch_size"]) if saved else (world, batch_size)
