@@ -9,7 +9,7 @@ import pytorch_lightning as pl
 import torch
 from PIL import Image
 
-from lit_imagenet.data.augment import Augment, erase_boxes
+from lit_imagenet.data.augment import Augment, apply_policy, erase_boxes, policy_transform
 from lit_imagenet.data.datamodule import ImageFolderDataModule
 from lit_imagenet.data.datasets import collate_uint8
 from lit_imagenet.errors import ConfigError
@@ -116,3 +116,16 @@ def test_a_fit_with_every_augmentation_option_runs(shapes_root: Path, tmp_path: 
     trainer.fit(model, module)
     assert trainer.global_step == 2 and shapes == [(4, 3, 24, 24)] * 2
     assert torch.isfinite(trainer.callback_metrics["train/loss_step"])
+
+
+def test_the_policy_leaves_the_process_generators_as_they_were() -> None:
+    """A policy drawn from a sample's seed must not move the draws of the training (dropout, MixUp, ...)."""
+    augment = Augment(policy="ta_wide")
+    transform = policy_transform(augment)
+    img = torch.randint(0, 256, (3, 32, 32), dtype=torch.uint8)
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    first = apply_policy(transform, img, seed=3)
+    assert torch.equal(torch.rand(4), expected)
+    assert torch.equal(apply_policy(transform, img, seed=3), first)

@@ -122,9 +122,13 @@ def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
     the CPU and, for a CUDA tensor, its device; the process's generators are left as they were."""
     if seed is None:
         return transform(img)
-    devices = [img.device] if isinstance(img, Tensor) and img.is_cuda else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(policy_seed(seed))
+    cuda = isinstance(img, Tensor) and img.is_cuda
+    with torch.random.fork_rng(devices=[img.device] if cuda else []):
+        # Only the generators that are restored: torch.manual_seed would reseed every CUDA device for good.
+        torch.default_generator.manual_seed(policy_seed(seed))
+        if cuda:
+            with torch.cuda.device(img.device):
+                torch.cuda.manual_seed(policy_seed(seed))
         return transform(img)
 
 
