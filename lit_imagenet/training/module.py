@@ -76,6 +76,7 @@ class ImageClassifier(pl.LightningModule):
         ema_steps: Update the EMA every this many optimizer steps.
         ema_warmup_epochs: During these first epochs the EMA is a copy of the weights. ``None``: ``warmup_epochs``.
         eval_weights: The weights that ``test``, ``predict`` and ``forward`` in eval mode use: ``raw`` or ``ema``.
+            Not stored in checkpoints: give it when predicting or testing from one.
         norm_weight_decay: Weight decay of the norm layers' parameters. ``None``: ``weight_decay``.
         bias_weight_decay: Weight decay of the biases. ``None``: ``weight_decay``.
         warmup_method: ``linear`` or ``constant`` (torchvision's), with ``warmup_decay``.
@@ -133,7 +134,10 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"ema_decay must be in [0, 1) and ema_steps at least 1. Got {ema_decay}, {ema_steps}")
         if eval_weights not in ("raw", "ema") or (eval_weights == "ema" and not ema_decay):
             raise ValueError(f"eval_weights must be 'raw', or 'ema' with ema_decay > 0. Got {eval_weights!r}")
-        self.save_hyperparameters()
+        # Not saved: a checkpoint's hyperparameters override the command line's when it is loaded with --ckpt_path.
+        self.save_hyperparameters(ignore=["eval_weights"])
+        #: The weights of ``test``, ``predict`` and ``forward`` in eval mode.
+        self.eval_weights = eval_weights
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
@@ -166,7 +170,7 @@ class ImageClassifier(pl.LightningModule):
     def forward(self, images: Tensor) -> Tensor:
         """Logits for a batch of normalised float images, or of uint8 images in [0, 255]; in eval mode from the
         ``eval_weights``."""
-        ema = not self.training and self.hparams.get("eval_weights") == "ema" and self.ema is not None
+        ema = not self.training and self.eval_weights == "ema" and self.ema is not None
         return self._logits(images, self.ema if ema else self.model)
 
     def _normalized(self, images: Tensor) -> Tensor:
@@ -361,7 +365,7 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def test_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
-        ema = self.hparams.get("eval_weights") == "ema" and self.ema is not None
+        ema = self.eval_weights == "ema" and self.ema is not None
         self._eval_step(batch, self.test_metrics, self.test_loss, self.ema if ema else self.model)
 
     @override
@@ -443,6 +447,14 @@ class ImageClassifier(pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._saved_grid = checkpoint.get("schedule_grid")
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict) and self.ema is not None and not any(k.startswith("ema.") for k in state):
+            # A checkpoint of a run without an EMA: this run's starts as a copy of its weights.
+            state.update({f"ema.module.{k[6:]}": v.clone() for k, v in list(state.items()) if k.startswith("model.")})
+            state["ema._extra_state"] = {"fresh": True}
+        elif isinstance(state, dict) and self.ema is None:
+            for key in [k for k in state if k.startswith("ema.")]:
+                del state[key]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
