@@ -166,3 +166,21 @@ def test_lightnings_gradient_clipping_clips_the_default_optimizers_gradients(tmp
     assert isinstance(cli.trainer.optimizers[0], torch.optim.SGD) and cli.trainer.global_step == 3
     assert len(after) == 3 and all(n > 0.02 for n in before), before
     assert after == pytest.approx([0.01] * 3, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--model.eval_weights", "ema"], "error: --model.eval_weights ema needs a model trained with an EMA"),
+        (["--model.warmup_method", "constant"], "error: --model.warmup_method constant needs --model.warmup_decay"),
+        (["--model.mixup_alpha", "-1"], "error: --model.mixup_alpha and cutmix_alpha must be at least 0"),
+    ],
+)
+def test_bad_recipe_options_are_one_line_errors(
+    flags: list[str], line: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    root = _shapes(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(fit_args(root, tmp_path / "run", *flags, arch=SMALL_ARCH))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(line)

@@ -7,12 +7,15 @@ import torch
 from torch import Tensor
 from torchvision.transforms import v2
 
+from lit_imagenet.errors import ConfigError
+
 
 def batch_mixer(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v2.Transform | None:
     """``v2.MixUp`` and/or ``v2.CutMix`` for the alphas above 0, one of the two at random when both are (as
     torchvision's reference does); ``None`` when neither is."""
     if mixup_alpha < 0 or cutmix_alpha < 0:
-        raise ValueError(f"mixup_alpha and cutmix_alpha must not be negative. Got {mixup_alpha}, {cutmix_alpha}")
+        alphas = f"{mixup_alpha}, {cutmix_alpha}"
+        raise ConfigError(f"--model.mixup_alpha and cutmix_alpha must be at least 0, not {alphas}.")
     mixers: list[v2.Transform] = []
     if mixup_alpha > 0:
         mixers.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))

@@ -26,12 +26,13 @@ from lit_imagenet.compat import (
 )
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
+from lit_imagenet.errors import ConfigError
 from lit_imagenet.training import mixing, models, optim
 from lit_imagenet.training.ema import WeightEMA, adjusted_decay
 from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
-from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
+from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, check_warmup, scaled_lr
 
 #: The compiler cache folders that runs of this process set, which a later run may replace with its own.
 _CACHES_SET: set[str] = set()
@@ -127,13 +128,16 @@ class ImageClassifier(pl.LightningModule):
         if compile not in (False, True, "auto", "default", "cudagraphs"):
             raise ValueError(f"compile must be false, true, auto, default or cudagraphs. Got {compile!r}")
         if optimizer not in ("sgd", "adamw", "rmsprop"):
-            raise ValueError(f"optimizer must be 'sgd', 'adamw' or 'rmsprop'. Got {optimizer!r}")
+            raise ConfigError(f"--model.optimizer must be sgd, adamw or rmsprop, not {optimizer!r}.")
         if not 0 <= label_smoothing < 1:
-            raise ValueError(f"label_smoothing must be in [0, 1). Got {label_smoothing}")
+            raise ConfigError(f"--model.label_smoothing must be in [0, 1), not {label_smoothing}.")
         if not 0 <= ema_decay < 1 or ema_steps < 1:
-            raise ValueError(f"ema_decay must be in [0, 1) and ema_steps at least 1. Got {ema_decay}, {ema_steps}")
-        if eval_weights not in ("raw", "ema") or (eval_weights == "ema" and not ema_decay):
-            raise ValueError(f"eval_weights must be 'raw', or 'ema' with ema_decay > 0. Got {eval_weights!r}")
+            raise ConfigError(
+                f"--model.ema_decay must be in [0, 1) and ema_steps at least 1, not {ema_decay}, {ema_steps}."
+            )
+        if eval_weights == "ema" and not ema_decay:
+            raise ConfigError("--model.eval_weights ema needs a model trained with an EMA (--model.ema_decay > 0).")
+        check_warmup(warmup_method, warmup_decay)
         # Not saved: a checkpoint's hyperparameters override the command line's when it is loaded with --ckpt_path.
         self.save_hyperparameters(ignore=["eval_weights"])
         #: The weights of ``test``, ``predict`` and ``forward`` in eval mode.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lit_imagenet.errors import ConfigError
+
 
 def warmup_factor(steps_done: int, warmup_steps: int, method: str, decay: float) -> float:
     """torchvision's warmup multiplier for the next step while ``steps_done < warmup_steps``: ``linear`` from
@@ -14,13 +16,14 @@ def warmup_factor(steps_done: int, warmup_steps: int, method: str, decay: float)
     return decay + (1.0 - decay) * steps_done / warmup_steps
 
 
-def _check_warmup(method: str, decay: float | None) -> None:
+def check_warmup(method: str, decay: float | None) -> None:
+    """Raises ``ConfigError`` for a warmup method other than ``linear``/``constant``, or a decay out of (0, 1]."""
     if method not in ("linear", "constant"):
-        raise ValueError(f"warmup_method must be 'linear' or 'constant'. Got {method!r}")
+        raise ConfigError(f"--model.warmup_method must be linear or constant, not {method!r}.")
     if method == "constant" and decay is None:
-        raise ValueError("warmup_method 'constant' needs warmup_decay (torchvision's default is 0.01).")
+        raise ConfigError("--model.warmup_method constant needs --model.warmup_decay (torchvision's default: 0.01).")
     if decay is not None and not 0 < decay <= 1:
-        raise ValueError(f"warmup_decay must be in (0, 1]. Got {decay}")
+        raise ConfigError(f"--model.warmup_decay must be in (0, 1], not {decay}.")
 
 
 def scaled_lr(lr_per_256: float, global_batch: int) -> float:
@@ -54,7 +57,7 @@ class WarmupMultiStep:
         self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.milestones = [int(m) for m in milestones]
         self.gamma = float(gamma)
-        _check_warmup(warmup_method, warmup_decay)
+        check_warmup(warmup_method, warmup_decay)
         self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
@@ -90,7 +93,7 @@ class WarmupCosine:
             raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
         self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.max_epochs = int(max_epochs)
-        _check_warmup(warmup_method, warmup_decay)
+        check_warmup(warmup_method, warmup_decay)
         self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
