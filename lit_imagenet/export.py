@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
@@ -12,8 +13,9 @@ from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from lit_imagenet.training.models import build_model, extract_state_dict
 
 
-def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
-    """The torchvision network of a checkpoint of this project (eval mode, on the CPU), and its hyperparameters."""
+def load_network(checkpoint_path: str | Path, weights: Literal["raw", "ema"] = "raw") -> tuple[nn.Module, dict]:
+    """The torchvision network of a checkpoint of this project (eval mode, on the CPU), with its trained (``raw``)
+    or averaged (``ema``) weights, and its hyperparameters."""
     path = Path(checkpoint_path)
     if not path.is_file():
         raise FileNotFoundError(f"Checkpoint {path} does not exist; give the .ckpt file written by training.")
@@ -22,16 +24,28 @@ def load_network(checkpoint_path: str | Path) -> tuple[nn.Module, dict]:
     if not hparams or "arch" not in hparams or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of this project (no hyperparameters); export needs one.")
     network = build_model(hparams["arch"], hparams["num_classes"])
-    network.load_state_dict(extract_state_dict(ckpt, str(path)))
+    if weights == "ema":
+        prefix = "ema.module."
+        state = {k.removeprefix(prefix): v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
+        if not state:
+            raise ValueError(f"{path} holds no EMA weights (trained with --model.ema_decay 0); export its raw weights.")
+        network.load_state_dict(extract_state_dict(state, str(path)))
+    elif weights == "raw":
+        network.load_state_dict(extract_state_dict(ckpt, str(path)))
+    else:
+        raise ValueError(f"weights must be 'raw' or 'ema'. Got {weights!r}")
     return network.eval(), dict(hparams)
 
 
-def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[str, Path]:
+def export(
+    checkpoint_path: str, out_dir: str, image_size: int = 224, weights: Literal["raw", "ema"] = "raw"
+) -> dict[str, Path]:
     """Writes the network of ``checkpoint_path`` (a ``.ckpt`` of ``train.py fit``) to ``out_dir`` as
     ``<arch>_state_dict.pth`` (torchvision's keys), ``<arch>.pt2`` (a ``torch.export`` program for any batch of
     ``image_size`` squared images: the training crop size) and ``<arch>.json`` (classes, input size, mean and std);
-    returns their paths under the keys ``state_dict``, ``program`` and ``metadata``."""
-    network, hparams = load_network(checkpoint_path)
+    returns their paths under the keys ``state_dict``, ``program`` and ``metadata``. ``weights``: the trained
+    (``raw``) or averaged (``ema``, of a run with ``--model.ema_decay``) weights."""
+    network, hparams = load_network(checkpoint_path, weights)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     arch = hparams["arch"]
@@ -46,6 +60,7 @@ def export(checkpoint_path: str, out_dir: str, image_size: int = 224) -> dict[st
     torch.export.save(program, paths["program"])
     metadata = {
         "arch": arch,
+        "weights": weights,
         "num_classes": hparams["num_classes"],
         "class_names": hparams.get("class_names"),
         "input": f"float32 (N, 3, {image_size}, {image_size}), RGB in [0, 1] normalised with mean and std",

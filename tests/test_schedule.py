@@ -93,3 +93,41 @@ def test_cosine_without_warmup_starts_at_full_rate_and_state_round_trips() -> No
 def test_cosine_refuses_bad_settings(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         WarmupCosine(**kwargs)
+
+
+def _torch_rates(warmup: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer, n: int) -> list[float]:
+    rates = []
+    for _ in range(n):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        warmup.step()
+    return rates
+
+
+@pytest.mark.parametrize("method", ["linear", "constant"])
+def test_torchvision_warmup_gives_torchs_linear_and_constant_rates_in_both_schedules(method: str) -> None:
+    steps, warmup_epochs, decay = 3, 2, 0.01
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    total = warmup_epochs * steps
+    if method == "linear":  # torchvision's --lr-warmup-method linear: LinearLR from the decay to 1
+        warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=decay, total_iters=total)
+    else:
+        warmup = torch.optim.lr_scheduler.ConstantLR(optimizer, factor=decay, total_iters=total)
+    expected = _torch_rates(warmup, optimizer, total)
+    step = WarmupMultiStep(steps, warmup_epochs, milestones=[5], warmup_method=method, warmup_decay=decay)
+    cosine = WarmupCosine(steps, max_epochs=4, warmup_epochs=warmup_epochs, warmup_method=method, warmup_decay=decay)
+    for schedule in (step, cosine):
+        got = [schedule(s) for s in range(total)]
+        assert got == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        assert schedule(total) == 1.0  # warmed up: the schedule's own factor
+    assert expected[0] == decay and (expected[-1] == decay) == (method == "constant")
+
+
+def test_warmup_decay_none_keeps_the_references_warmup_and_constant_needs_a_decay() -> None:
+    default, explicit = WarmupMultiStep(4, 2), WarmupMultiStep(4, 2, warmup_method="linear", warmup_decay=None)
+    reference = [(2 + s) / 8 if s < 8 else 1.0 for s in range(12)]  # the reference's ramp ends just above 1
+    assert [explicit(s) for s in range(12)] == [default(s) for s in range(12)] == reference
+    with pytest.raises(ValueError, match="warmup_decay"):
+        WarmupCosine(4, 3, 1, warmup_method="constant")
+    with pytest.raises(ValueError, match="warmup_method"):
+        WarmupMultiStep(4, 2, warmup_method="exponential")

@@ -26,27 +26,30 @@ from lit_imagenet.compat import (
 )
 from lit_imagenet.data.prefetch import CUDAPrefetch
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normalize
-from lit_imagenet.training import models, optim
+from lit_imagenet.errors import ConfigError
+from lit_imagenet.training import mixing, models, optim
+from lit_imagenet.training.ema import WeightEMA, adjusted_decay
 from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
-from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, scaled_lr
+from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, check_warmup, scaled_lr
 
 #: The compiler cache folders that runs of this process set, which a later run may replace with its own.
 _CACHES_SET: set[str] = set()
 
 
 class ImageClassifier(pl.LightningModule):
-    """A torchvision classifier trained with SGD and NVIDIA apex's ImageNet learning-rate rule.
+    """A torchvision classifier trained with NVIDIA apex's ImageNet learning-rate rule, and torchvision's recipe's
+    options (label smoothing, MixUp/CutMix, an EMA of the weights, per-kind weight decay, AdamW/RMSprop).
 
     Args:
         arch: torchvision architecture name (``resnet50``, ``resnet18``, ``efficientnet_b0``, ...).
         num_classes: Number of classes; the command line takes it from the data.
         weights: ``None`` (random), a torchvision weights name (``IMAGENET1K_V2``) or a state dict/checkpoint path.
         lr: Learning rate per 256 images; the optimizer uses ``lr * global batch / 256``.
-        momentum: SGD momentum.
-        weight_decay: SGD weight decay (L2), applied to every parameter as the reference did.
-        warmup_epochs: Epochs of linear warmup, recomputed at every optimizer step.
+        momentum: SGD and RMSprop momentum.
+        weight_decay: Weight decay, applied to every parameter as the reference did (AdamW's is decoupled).
+        warmup_epochs: Epochs of warmup, recomputed at every optimizer step.
         milestones: Epochs at which the learning rate is multiplied by ``lr_gamma`` (``step`` schedule).
         lr_gamma: The multiplier at each milestone (``step`` schedule).
         lr_schedule: ``step``: the reference's warmup and step decay at ``milestones``. ``cosine``:
@@ -59,8 +62,27 @@ class ImageClassifier(pl.LightningModule):
         compile: ``torch.compile`` the network in place. ``false``: eager. ``true``/``default``: compiled.
             ``cudagraphs``: ``reduce-overhead`` on one CUDA process without accumulation, else ``default``.
             ``auto``: ``default`` on CUDA, eager elsewhere. Apex AMP runs eager.
-        fused_optimizer: Use the fused CUDA SGD kernel (it also unscales float16 gradients). ``None``: on when the
-            parameters are on a CUDA device and the precision is not apex AMP's, which manages the optimizer.
+        fused_optimizer: Use the fused CUDA SGD or AdamW kernel (it also unscales float16 gradients). ``None``: on
+            when the parameters are on a CUDA device, the precision is not apex AMP's (which manages the optimizer)
+            and ``--trainer.gradient_clip_val`` is not set (Lightning clips only gradients it unscaled itself).
+        optimizer: ``sgd``; ``adamw``; ``rmsprop`` (torchvision's: eps 0.0316, alpha 0.9, with ``momentum``).
+        label_smoothing: The cross-entropy's label smoothing, in training and evaluation.
+        mixup_alpha: MixUp's Beta(alpha, alpha) on the training batch (0: off).
+        cutmix_alpha: CutMix's Beta(alpha, alpha) on the training batch (0: off); with both on, one of the two
+            per batch. The batch's draws come from the data seed, rank, epoch and batch. Training top-1 and top-5
+            then count against each image's dominant label (the largest share of its soft target).
+        ema_decay: Keep an exponential moving average of the weights with this decay, adjusted as torchvision does
+            (``1 - min(1, (1 - decay) * global batch * ema_steps / max_epochs)``); 0: no EMA. Validation reports
+            the EMA's figures under ``val_ema/`` beside the raw weights' ``val/``.
+        ema_steps: Update the EMA every this many optimizer steps.
+        ema_warmup_epochs: During these first epochs the EMA is a copy of the weights. ``None``: ``warmup_epochs``.
+        eval_weights: The weights that ``test``, ``predict`` and ``forward`` in eval mode use: ``raw`` or ``ema``.
+            Not stored in checkpoints: give it when predicting or testing from one.
+        norm_weight_decay: Weight decay of the norm layers' parameters. ``None``: ``weight_decay``.
+        bias_weight_decay: Weight decay of the biases. ``None``: ``weight_decay``.
+        warmup_method: ``linear`` or ``constant`` (torchvision's), with ``warmup_decay``.
+        warmup_decay: The warmup's starting factor (``linear``: from it to 1; ``constant``: it throughout). ``None``:
+            the reference's linear warmup, ``(1 + step) / warmup steps``.
     """
 
     def __init__(
@@ -81,6 +103,18 @@ class ImageClassifier(pl.LightningModule):
         class_names: list[str] | None = None,
         compile: bool | Literal["auto", "default", "cudagraphs"] = False,
         fused_optimizer: bool | None = None,
+        optimizer: Literal["sgd", "adamw", "rmsprop"] = "sgd",
+        label_smoothing: float = 0.0,
+        mixup_alpha: float = 0.0,
+        cutmix_alpha: float = 0.0,
+        ema_decay: float = 0.0,
+        ema_steps: int = 32,
+        ema_warmup_epochs: int | None = None,
+        eval_weights: Literal["raw", "ema"] = "raw",
+        norm_weight_decay: float | None = None,
+        bias_weight_decay: float | None = None,
+        warmup_method: Literal["linear", "constant"] = "linear",
+        warmup_decay: float | None = None,
     ) -> None:
         super().__init__()
         if class_names is not None and len(class_names) != num_classes:
@@ -93,11 +127,29 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"backbone_lr_scale must not be negative. Got {backbone_lr_scale}")
         if compile not in (False, True, "auto", "default", "cudagraphs"):
             raise ValueError(f"compile must be false, true, auto, default or cudagraphs. Got {compile!r}")
-        self.save_hyperparameters()
+        if optimizer not in ("sgd", "adamw", "rmsprop"):
+            raise ConfigError(f"--model.optimizer must be sgd, adamw or rmsprop, not {optimizer!r}.")
+        if not 0 <= label_smoothing < 1:
+            raise ConfigError(f"--model.label_smoothing must be in [0, 1), not {label_smoothing}.")
+        if not 0 <= ema_decay < 1 or ema_steps < 1:
+            raise ConfigError(
+                f"--model.ema_decay must be in [0, 1) and ema_steps at least 1, not {ema_decay}, {ema_steps}."
+            )
+        if eval_weights == "ema" and not ema_decay:
+            raise ConfigError("--model.eval_weights ema needs a model trained with an EMA (--model.ema_decay > 0).")
+        check_warmup(warmup_method, warmup_decay)
+        # Not saved: a checkpoint's hyperparameters override the command line's when it is loaded with --ckpt_path.
+        self.save_hyperparameters(ignore=["eval_weights"])
+        #: The weights of ``test``, ``predict`` and ``forward`` in eval mode.
+        self.eval_weights = eval_weights
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
         self.normalize = Uint8Normalize(IMAGENET_MEAN, IMAGENET_STD)
-        self.criterion = nn.CrossEntropyLoss()
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.mixer = mixing.batch_mixer(mixup_alpha, cutmix_alpha, num_classes)
+        #: The weights' moving average (``ema_decay`` > 0); its decay is set once the global batch is known.
+        self.ema = WeightEMA(self.model) if ema_decay else None
+        self._ema_decay = ema_decay
         # No host sync per training step: no label check, no NaN check (NonFiniteGuard watches the loss on the device).
         self.train_metrics = train_accuracy_metrics(num_classes, "train/")
         self.val_metrics = accuracy_metrics(num_classes, "val/")
@@ -108,6 +160,8 @@ class ImageClassifier(pl.LightningModule):
         self.train_loss.persistent(True)
         self.val_loss = MeanMetric()
         self.test_loss = MeanMetric()
+        self.val_ema_metrics = accuracy_metrics(num_classes, "val_ema/") if ema_decay else None
+        self.val_ema_loss = MeanMetric() if ema_decay else None
         #: Attached to the trainer by ``configure_callbacks``; the command line sets it from ``--prefetch.*``.
         self.prefetch = CUDAPrefetch()
         self._compiled = False
@@ -118,12 +172,20 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def forward(self, images: Tensor) -> Tensor:
-        """Logits for a batch of normalised float images, or of uint8 images in [0, 255]."""
-        if images.dtype == torch.uint8:
-            # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
-            weight = next(self.model.parameters())
-            images = self.normalize(images, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
-        out = self.model(images)
+        """Logits for a batch of normalised float images, or of uint8 images in [0, 255]; in eval mode from the
+        ``eval_weights``."""
+        ema = not self.training and self.eval_weights == "ema" and self.ema is not None
+        return self._logits(images, self.ema if ema else self.model)
+
+    def _normalized(self, images: Tensor) -> Tensor:
+        if images.dtype != torch.uint8:
+            return images
+        # The first weight's dtype, not self.dtype: apex O2/O3 cast the network without telling Lightning.
+        weight = next(self.model.parameters())
+        return self.normalize(images, dtype=weight.dtype if weight.is_floating_point() else torch.float32)
+
+    def _logits(self, images: Tensor, network: nn.Module) -> Tensor:
+        out = network(self._normalized(images))
         if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
             out = out[0]
         return out
@@ -133,6 +195,8 @@ class ImageClassifier(pl.LightningModule):
         use = self.hparams.channels_last
         if use or use is None and self.trainer.strategy.root_device.type == "cuda":
             self.model.to(memory_format=torch.channels_last)
+            if self.ema is not None:
+                self.ema.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and stage == "fit" and not self._compiled:
             self._compile()
 
@@ -210,11 +274,25 @@ class ImageClassifier(pl.LightningModule):
         batches = trainer.num_training_batches
         return not math.isinf(batches) and batch_idx + 1 >= batches
 
+    def _mix_seed(self, batch_idx: int) -> int:
+        trainer = attached_trainer(self)
+        if trainer is None:
+            return mixing.mix_seed(0, 0, batch_idx)
+        seed = getattr(trainer.datamodule, "seed", None)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
+        return mixing.mix_seed(seed, trainer.global_rank, trainer.current_epoch, batch_idx)
+
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
         images, targets = batch[0], batch[1]
-        logits = self(images)
-        loss = self.criterion(logits, targets)
+        if self.mixer is not None:
+            images, soft = mixing.mix_batch(self.mixer, self._normalized(images), targets, self._mix_seed(batch_idx))
+            logits = self._logits(images, self.model)
+            loss = self.criterion(logits, soft)
+            targets = soft.argmax(dim=1)  # the accuracies count against each image's dominant label
+        else:
+            logits = self._logits(images, self.model)
+            loss = self.criterion(logits, targets)
         # The epoch totals cover every batch; they stay on the device until the epoch ends.
         self.train_loss.update(loss.detach())
         self.train_metrics.update(logits.detach(), targets)
@@ -254,9 +332,28 @@ class ImageClassifier(pl.LightningModule):
         for name, value in zip(names, figures.unbind()):
             self.log(f"{name}_step", value, on_step=True, on_epoch=False)
 
-    def _eval_step(self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric) -> None:
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here rather than in on_train_batch_end: a step checkpoint, saved before that hook, holds this update.
+        if self.ema is not None and attached_trainer(self) is not None:
+            self._update_ema(self.trainer.global_step + 1)  # Lightning counts this step once the hook returns
+
+    def _update_ema(self, steps_done: int) -> None:
+        """Every ``ema_steps`` steps: the average, or a copy while the last update was in the EMA's warmup epochs
+        (torchvision resets its average then)."""
+        if self.ema is None or steps_done % self.hparams.ema_steps:
+            return
+        warmup = self.hparams.ema_warmup_epochs
+        warmup = self.hparams.warmup_epochs if warmup is None else warmup
+        self.ema.update(self.model, None if self.ema.fresh else self._ema_decay)
+        self.ema.fresh = self.current_epoch < warmup
+
+    def _eval_step(
+        self, batch: Sequence[Tensor], metrics: MetricCollection, loss_metric: MeanMetric, network: nn.Module
+    ) -> None:
         images, targets = batch[0], batch[1]
-        logits = self(images)
+        logits = self._logits(images, network)
         loss = self.criterion(logits, targets)
         metrics.update(logits, targets)
         loss_metric.update(loss, weight=targets.numel())
@@ -266,11 +363,14 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.val_metrics, self.val_loss)
+        self._eval_step(batch, self.val_metrics, self.val_loss, self.model)
+        if self.ema is not None and self.val_ema_metrics is not None and self.val_ema_loss is not None:
+            self._eval_step(batch, self.val_ema_metrics, self.val_ema_loss, self.ema)
 
     @override
     def test_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, self.test_metrics, self.test_loss)
+        ema = self.eval_weights == "ema" and self.ema is not None
+        self._eval_step(batch, self.test_metrics, self.test_loss, self.ema if ema else self.model)
 
     @override
     def predict_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
@@ -283,34 +383,42 @@ class ImageClassifier(pl.LightningModule):
         # The rates need the training loader, which loaded this early would restart a resumed epoch: see on_train_start.
         hp = self.hparams
         fused = bool(self._sgd_implementation().get("fused"))
-        head = models.head_parameters(self.model, self.head_name)
-        optimizer = optim.build_sgd(head, self.backbone_parameters(), hp.lr, hp.backbone_lr_scale, hp.momentum,
-                                    hp.weight_decay, fused)  # fmt: skip
-        # LambdaLR scales both groups alike.
+        optimizer = optim.build_optimizer(hp.get("optimizer", "sgd"), self._parameter_groups(), hp.lr, hp.momentum,
+                                          hp.weight_decay, fused)  # fmt: skip
+        # LambdaLR scales every group alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _parameter_groups(self) -> list[dict[str, Any]]:
+        hp = self.hparams
+        return optim.parameter_groups(self.model, self.head_name, hp.backbone_lr_scale, hp.weight_decay,
+                                      hp.get("norm_weight_decay"), hp.get("bias_weight_decay"))  # fmt: skip
 
     def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
         hp = self.hparams
         max_epochs = self.trainer.max_epochs if hp.lr_schedule == "cosine" else None
-        return optim.make_schedule(
-            hp.lr_schedule, steps_per_epoch, max_epochs, hp.warmup_epochs, hp.milestones, hp.lr_gamma
-        )
+        return optim.make_schedule(hp.lr_schedule, steps_per_epoch, max_epochs, hp.warmup_epochs, hp.milestones,
+                                   hp.lr_gamma, hp.get("warmup_method", "linear"), hp.get("warmup_decay"))  # fmt: skip
 
     def _sgd_implementation(self) -> dict[str, bool]:
         fused = self.hparams.get("fused_optimizer")
         if fused is None:
-            on_cuda = next(self.model.parameters()).device.type == "cuda"
-            apex = attached_trainer(self) is not None and isinstance(self.trainer.precision_plugin, ApexAMP)
-            fused = on_cuda and not apex
+            device = next(self.model.parameters()).device.type
+            trainer = attached_trainer(self)
+            apex = trainer is not None and isinstance(trainer.precision_plugin, ApexAMP)
+            clip = trainer.gradient_clip_val if trainer is not None else None
+            fused = optim.fused_by_default(self.hparams.get("optimizer", "sgd"), device, apex, clip)
         return {"fused": True} if fused else {}
 
     @override
     def on_train_start(self) -> None:
-        """Scales the base rates by the global batch and sets the schedule's steps per epoch."""
+        """Scales the base rates by the global batch, sets the schedule's steps per epoch and the EMA's decay."""
         if self.hparams.freeze_backbone_epochs:
             # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
             self.set_backbone_frozen(self.backbone_frozen)
+        if self.ema is not None:
+            batch, epochs = optim.global_batch_size(self.trainer), max(1, self.trainer.max_epochs or 1)
+            self._ema_decay = adjusted_decay(self.hparams.ema_decay, batch, self.hparams.ema_steps, epochs)
         scheduler = self.lr_schedulers()
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
@@ -319,9 +427,8 @@ class ImageClassifier(pl.LightningModule):
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
             self._move_schedule(scheduler, grid, global_batch, steps)
-        optim.restart_schedule(
-            scheduler, [base_lr, base_lr * self.hparams.backbone_lr_scale], lambda: self._schedule(steps)
-        )
+        scales = [group["lr_scale"] for group in self._parameter_groups()]  # the optimizer's groups, in order
+        optim.restart_schedule(scheduler, [base_lr * scale for scale in scales], lambda: self._schedule(steps))
 
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
@@ -344,6 +451,14 @@ class ImageClassifier(pl.LightningModule):
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._saved_grid = checkpoint.get("schedule_grid")
+        state = checkpoint.get("state_dict")
+        if isinstance(state, dict) and self.ema is not None and not any(k.startswith("ema.") for k in state):
+            # A checkpoint of a run without an EMA: this run's starts as a copy of its weights.
+            state.update({f"ema.module.{k[6:]}": v.clone() for k, v in list(state.items()) if k.startswith("model.")})
+            state["ema._extra_state"] = {"fresh": True}
+        elif isinstance(state, dict) and self.ema is None:
+            for key in [k for k in state if k.startswith("ema.")]:
+                del state[key]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

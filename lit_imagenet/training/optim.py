@@ -1,9 +1,11 @@
-"""SGD as the reference set it up, and its schedule; ``restart_schedule`` sets the rates once the loader is built."""
+"""The optimizer (the reference's SGD, AdamW, RMSprop), its parameter groups and its schedule; ``restart_schedule``
+sets the rates once the loader is built."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -29,37 +31,91 @@ def steps_per_epoch(trainer: pl.Trainer) -> int:
     return max(1, math.ceil(batches / trainer.accumulate_grad_batches))
 
 
-def build_sgd(
-    head: list[nn.Parameter],
-    backbone: list[nn.Parameter],
-    lr: float,
+#: torchvision's normalisation layers, whose parameters take ``norm_weight_decay``.
+NORM_CLASSES: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm,
+    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
+)  # fmt: skip
+
+
+def parameter_groups(
+    network: nn.Module,
+    head_name: str,
     backbone_lr_scale: float,
-    momentum: float,
     weight_decay: float,
-    fused: bool,
-) -> torch.optim.SGD:
-    """SGD over two parameter groups: the head's (first) at ``lr``, the backbone's at ``lr * backbone_lr_scale``."""
-    groups = [{"params": head, "lr": lr}, {"params": backbone, "lr": lr * backbone_lr_scale}]
-    optimizer = torch.optim.SGD(
-        groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **({"fused": True} if fused else {})
-    )
-    if fused and momentum != 0:
-        # Fused SGD makes its buffers with empty_like, left garbage by a first step the gradient scaler skips.
-        for group in groups:
-            for p in group["params"]:
-                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return optimizer
+    norm_weight_decay: float | None = None,
+    bias_weight_decay: float | None = None,
+) -> list[dict[str, Any]]:
+    """The head's groups then the backbone's, each with its ``lr_scale`` (1, ``backbone_lr_scale``) and
+    ``weight_decay``: biases (``bias_weight_decay`` set) and norm layers' parameters (``norm_weight_decay`` set) get
+    groups of their own, as torchvision's ``set_weight_decay`` sorts them; empty groups are left out."""
+    sorted_params: dict[tuple[str, str], list[nn.Parameter]] = {}
+    for module_name, module in network.named_modules():
+        part = "head" if module_name == head_name or module_name.startswith(f"{head_name}.") else "backbone"
+        for name, param in module.named_parameters(recurse=False):
+            if bias_weight_decay is not None and name == "bias":
+                kind = "bias"
+            elif norm_weight_decay is not None and isinstance(module, NORM_CLASSES):
+                kind = "norm"
+            else:
+                kind = "other"
+            sorted_params.setdefault((part, kind), []).append(param)
+    decays = {"other": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
+    scales = {"head": 1.0, "backbone": backbone_lr_scale}
+    return [
+        {"params": sorted_params[part, kind], "lr_scale": scales[part], "weight_decay": decays[kind]}
+        for part in ("head", "backbone")
+        for kind in ("other", "norm", "bias")
+        if sorted_params.get((part, kind))
+    ]
+
+
+def build_optimizer(
+    name: str, groups: list[dict[str, Any]], lr: float, momentum: float, weight_decay: float, fused: bool
+) -> torch.optim.Optimizer:
+    """``sgd`` (momentum), ``adamw`` or ``rmsprop`` (torchvision's: ``eps=0.0316``, ``alpha=0.9``, momentum) over
+    ``groups``, each at ``lr * lr_scale``; ``fused`` for SGD and AdamW (RMSprop has no fused kernel)."""
+    groups = [{**group, "lr": lr * group["lr_scale"]} for group in groups]
+    extra: dict[str, Any] = {"fused": True} if fused and name != "rmsprop" else {}
+    if name == "sgd":
+        optimizer: torch.optim.Optimizer = torch.optim.SGD(
+            groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra
+        )
+        if fused and momentum != 0:
+            # Fused SGD makes its buffers with empty_like, left garbage by a first step the gradient scaler skips.
+            for group in groups:
+                for p in group["params"]:
+                    optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return optimizer
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, **extra)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=0.0316, alpha=0.9)
+    raise ValueError(f"optimizer must be 'sgd', 'adamw' or 'rmsprop'. Got {name!r}")
+
+
+def fused_by_default(name: str, device_type: str, apex: bool, gradient_clip_val: float | None) -> bool:
+    """Whether ``name`` runs fused when not told: SGD and AdamW on CUDA, but under apex AMP (which manages the
+    optimizer) or with gradient clipping (Lightning refuses to clip for an optimizer that unscales by itself)."""
+    return name in ("sgd", "adamw") and device_type == "cuda" and not apex and not gradient_clip_val
 
 
 def make_schedule(
-    kind: str, steps_per_epoch: int, max_epochs: int | None, warmup_epochs: int, milestones: Sequence[int], gamma: float
+    kind: str,
+    steps_per_epoch: int,
+    max_epochs: int | None,
+    warmup_epochs: int,
+    milestones: Sequence[int],
+    gamma: float,
+    warmup_method: str = "linear",
+    warmup_decay: float | None = None,
 ) -> WarmupMultiStep | WarmupCosine:
     """The rate multiplier per step: ``step`` (warmup, then ``gamma`` at each milestone) or ``cosine``."""
     if kind == "cosine":
         if max_epochs is None or max_epochs < 1:
             raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
-        return WarmupCosine(steps_per_epoch, max_epochs, warmup_epochs)
-    return WarmupMultiStep(steps_per_epoch, warmup_epochs, milestones, gamma)
+        return WarmupCosine(steps_per_epoch, max_epochs, warmup_epochs, warmup_method, warmup_decay)
+    return WarmupMultiStep(steps_per_epoch, warmup_epochs, milestones, gamma, warmup_method, warmup_decay)
 
 
 def restart_schedule(

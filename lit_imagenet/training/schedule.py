@@ -5,6 +5,26 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lit_imagenet.errors import ConfigError
+
+
+def warmup_factor(steps_done: int, warmup_steps: int, method: str, decay: float) -> float:
+    """torchvision's warmup multiplier for the next step while ``steps_done < warmup_steps``: ``linear`` from
+    ``decay`` to 1, ``constant`` ``decay`` throughout."""
+    if method == "constant":
+        return decay
+    return decay + (1.0 - decay) * steps_done / warmup_steps
+
+
+def check_warmup(method: str, decay: float | None) -> None:
+    """Raises ``ConfigError`` for a warmup method other than ``linear``/``constant``, or a decay out of (0, 1]."""
+    if method not in ("linear", "constant"):
+        raise ConfigError(f"--model.warmup_method must be linear or constant, not {method!r}.")
+    if method == "constant" and decay is None:
+        raise ConfigError("--model.warmup_method constant needs --model.warmup_decay (torchvision's default: 0.01).")
+    if decay is not None and not 0 < decay <= 1:
+        raise ConfigError(f"--model.warmup_decay must be in (0, 1], not {decay}.")
+
 
 def scaled_lr(lr_per_256: float, global_batch: int) -> float:
     """The optimizer's base learning rate for ``global_batch`` images per step (the linear scaling rule)."""
@@ -16,10 +36,17 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
 class WarmupMultiStep:
     """The reference's multiplier: called with the optimizer steps taken, the factor for the next step. The ``k``-th
     step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times ``(1 + k + e * steps_per_epoch) /
-    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``. A plain object, so ``LambdaLR`` saves it."""
+    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``; with ``warmup_decay`` set, torchvision's
+    ``warmup_factor`` instead. A plain object, so ``LambdaLR`` saves it."""
 
     def __init__(
-        self, steps_per_epoch: int, warmup_epochs: int = 5, milestones: Sequence[int] = (30, 60, 80), gamma: float = 0.1
+        self,
+        steps_per_epoch: int,
+        warmup_epochs: int = 5,
+        milestones: Sequence[int] = (30, 60, 80),
+        gamma: float = 0.1,
+        warmup_method: str = "linear",
+        warmup_decay: float | None = None,
     ) -> None:
         if steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
@@ -30,20 +57,34 @@ class WarmupMultiStep:
         self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.milestones = [int(m) for m in milestones]
         self.gamma = float(gamma)
+        check_warmup(warmup_method, warmup_decay)
+        self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
         epoch = steps_done // self.steps_per_epoch
         value = self.gamma ** sum(1 for m in self.milestones if epoch >= m)
         if epoch < self.warmup_epochs:
-            value *= (2 + steps_done) / (self.warmup_epochs * self.steps_per_epoch)
+            warmup = self.warmup_epochs * self.steps_per_epoch
+            if self.warmup_decay is None:
+                value *= (2 + steps_done) / warmup
+            else:
+                value *= warmup_factor(steps_done, warmup, self.warmup_method, self.warmup_decay)
         return value
 
 
 class WarmupCosine:
-    """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``), then half a cosine down to 0 at the end
-    of ``max_epochs``; called with the optimizer steps taken, the factor for the next step."""
+    """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``; with ``warmup_decay`` set, torchvision's
+    ``warmup_factor``), then half a cosine down to 0 at the end of ``max_epochs``; called with the optimizer steps
+    taken, the factor for the next step."""
 
-    def __init__(self, steps_per_epoch: int, max_epochs: int, warmup_epochs: int = 0) -> None:
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        max_epochs: int,
+        warmup_epochs: int = 0,
+        warmup_method: str = "linear",
+        warmup_decay: float | None = None,
+    ) -> None:
         if steps_per_epoch < 1:
             raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
         if max_epochs < 1:
@@ -52,11 +93,15 @@ class WarmupCosine:
             raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
         self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.max_epochs = int(max_epochs)
+        check_warmup(warmup_method, warmup_decay)
+        self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
         warmup = self.warmup_epochs * self.steps_per_epoch
         if steps_done < warmup:
-            return (steps_done + 1) / warmup
+            if self.warmup_decay is None:
+                return (steps_done + 1) / warmup
+            return warmup_factor(steps_done, warmup, self.warmup_method, self.warmup_decay)
         total = self.max_epochs * self.steps_per_epoch
         progress = min(1.0, (steps_done - warmup) / (total - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
