@@ -16,13 +16,13 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
 def test_there_are_configs() -> None:
-    assert {p.name for p in CONFIGS} >= {"resnet50.yaml", "ddp.yaml", "demo.yaml", "finetune.yaml"}
+    assert {p.name for p in CONFIGS} >= {"resnet50.yaml", "resnet50_tv2.yaml", "ddp.yaml", "demo.yaml", "finetune.yaml"}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
 def test_every_config_parses_and_instantiates(config: Path, shapes_root: Path, tmp_path: Path) -> None:
     args = ["--config", str(config), "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path)]
-    if config.name in ("resnet50.yaml", "ddp.yaml"):
+    if config.name in ("resnet50.yaml", "resnet50_tv2.yaml", "ddp.yaml"):
         args += [
             "--trainer.accelerator",
             "cpu",
