@@ -158,9 +158,8 @@ class ImageNetCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
         if self.subcommand not in (None, "fit"):
-            # Evaluating or predicting writes no run: no config.yaml, no checkpoint callback warnings.
+            # Evaluating or predicting writes no run: no config.yaml.
             self.save_config_callback = None
-            warnings.filterwarnings("ignore", message="The dirpath has changed from")
         trainer_config = dict(config.get("trainer") or {})
         amp = config.get("amp")
         if amp is not None and amp.opt_level is not None:

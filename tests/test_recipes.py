@@ -1,8 +1,10 @@
 """``configs/resnet50_tv2.yaml``: torchvision's ResNet-50 V2 recipe resolves to torchvision's values and trains."""
 
 import csv
+import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from lit_imagenet.cli import main
@@ -25,7 +27,9 @@ def test_the_tv2_recipe_has_torchvisions_values(shapes_root: Path, tmp_path: Pat
     assert cli.trainer.max_epochs == 600 and data.batch_size == 128
 
 
-def test_the_tv2_recipe_trains_two_steps_and_validates_both_weights(shapes_root: Path, tmp_path: Path) -> None:
+def test_the_tv2_recipe_trains_two_steps_and_validates_both_weights(
+    shapes_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     main(["fit", "--config", TV2, "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path), *CPU,
           "--data.batch_size", "4", "--data.workers", "0", "--data.train_crop_size", "32", "--data.val_resize", "40",
           "--data.crop_size", "36", "--trainer.max_steps", "2", "--trainer.limit_train_batches", "2",
@@ -34,3 +38,5 @@ def test_the_tv2_recipe_trains_two_steps_and_validates_both_weights(shapes_root:
     assert ckpt["global_step"] == 2
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert any(r.get("val/top1") for r in rows) and any(r.get("val_ema/top1") for r in rows)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Epoch 0 validation: "))
+    assert re.search(r"top-1 \d\.\d{4}, .*, EMA top-1 \d\.\d{4}, EMA top-5 \d\.\d{4} \(", line), line

@@ -63,7 +63,10 @@ class _EpochMeter(pl.Callback):
         self.on_train_epoch_start(trainer, pl_module)
 
 
-_VALIDATION = (("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"))
+_VALIDATION = (
+    ("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"),
+    ("val_ema/top1", "EMA top-1"), ("val_ema/top5", "EMA top-5"),
+)  # fmt: skip
 
 
 class ConsoleLog(_EpochMeter):
@@ -71,7 +74,8 @@ class ConsoleLog(_EpochMeter):
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``
     (images/s of all processes, also logged as ``train/images_per_sec``), written without synchronising the GPU;
-    after each validation: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)``.
+    after each validation: ``Epoch 3 validation: top-1 0.9611, top-5 1.0000, loss 0.1234 (2.1 s)`` (and the EMA's
+    top-1 and top-5 where the model keeps one).
 
     Args:
         enabled: Set to ``False`` for no lines (the progress bar stays; the metric is still logged).
