@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lit_imagenet.cli import main
+from tests.cli_args import error_lines
 
 REPO = Path(__file__).resolve().parents[1]
 TV2 = str(REPO / "configs" / "resnet50_tv2.yaml")
@@ -40,3 +41,15 @@ def test_the_tv2_recipe_trains_two_steps_and_validates_both_weights(
     assert any(r.get("val/top1") for r in rows) and any(r.get("val_ema/top1") for r in rows)
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Epoch 0 validation: "))
     assert re.search(r"top-1 \d\.\d{4}, .*, EMA top-1 \d\.\d{4}, EMA top-5 \d\.\d{4} \(", line), line
+
+
+def test_a_warmup_as_long_as_the_run_is_refused_in_one_line(shapes_root: Path, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", TV2, "--data.root", str(shapes_root), "--trainer.default_root_dir", str(tmp_path),
+              *CPU, "--data.workers", "0", "--trainer.max_epochs", "5", "--model.compile", "false"])  # fmt: skip
+    assert exc.value.code == 2
+    (err,) = error_lines(capsys.readouterr().err)
+    assert err == (
+        "error: The cosine schedule decays after the warmup: --model.warmup_epochs (5) must be below "
+        "--trainer.max_epochs (5); lower it or train longer."
+    )

@@ -90,7 +90,10 @@ class WarmupCosine:
         if max_epochs < 1:
             raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
-            raise ValueError(f"warmup_epochs must be in [0, max_epochs={max_epochs}). Got {warmup_epochs}")
+            raise ConfigError(
+                f"The cosine schedule decays after the warmup: --model.warmup_epochs ({warmup_epochs}) must be "
+                f"below --trainer.max_epochs ({max_epochs}); lower it or train longer."
+            )
         self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
         self.max_epochs = int(max_epochs)
         check_warmup(warmup_method, warmup_decay)
