@@ -502,3 +502,27 @@ def test_sigterm_stops_a_cuda_graph_run_with_its_console_lines_and_it_resumes(
     assert f"Resuming from {checkpoints / 'last-step.ckpt'}" in resumed.stdout
     last = tmp_path / "checkpoints" / "last-step.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == saved + 3
+
+
+@pytest.mark.parametrize("decoder", ["pil", "nvjpeg", pytest.param("dali", marks=pytest.mark.dali)])
+def test_the_tv2_recipe_trains_on_cuda_with_each_decoder(learnable_root: Path, tmp_path: Path, decoder: str) -> None:
+    """``configs/resnet50_tv2.yaml``'s options on a GPU, at 16-mixed and channels_last: the policy and erasing where
+    the decoder runs them (DALI's pipeline, nvJPEG's GPU tensors, the workers), MixUp/CutMix on the device batch,
+    repeated augmentation, the EMA; every loss is finite and each validation reports both sets of weights."""
+    import csv
+
+    from tests.cli_args import small_args
+
+    args = ["fit", "--config", str(REPO / "configs" / "resnet50_tv2.yaml"), *small_args(
+        learnable_root, "--trainer.accelerator", "gpu", "--trainer.devices", "1", "--trainer.precision", "16-mixed",
+        "--trainer.default_root_dir", str(tmp_path), "--data.decoder", decoder, "--data.train_crop_size", "28",
+        "--trainer.max_epochs", "6", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.log_every_n_steps", "1", "--model.compile", "false", "--model.ema_steps", "2",
+        "--model.ema_warmup_epochs", "1", batch_size=16, workers=2)]  # fmt: skip
+    done = _train(args, tmp_path)
+    assert "EMA top-1" in done.stdout
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    losses = [float(r["train/loss_step"]) for r in rows if r.get("train/loss_step")]
+    assert len(losses) == 18 and all(map(lambda x: x == x and abs(x) < 1e4, losses)), losses
+    validations = [r for r in rows if r.get("val_ema/top1")]
+    assert len(validations) == 6 and all(r.get("val/top1") for r in validations)
