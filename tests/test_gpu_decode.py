@@ -302,8 +302,9 @@ def test_cuda_decoded_images_get_their_seeds_augmentation(shapes_root: Path) -> 
     assert torch.equal(images, _augmented_by_hand(plain, pairs, TA_ERASE))
     assert torch.equal(_encoded(shapes_root, TA_ERASE)[0].decode(cuda)[0], images)
     assert ((images.int() - plain.int()).abs().amax(dim=(1, 2, 3)) > 8).sum() >= len(plain) // 2
-    on_cpu, _ = _encoded(shapes_root, TA_ERASE)[0].decode("cpu")  # libjpeg instead of nvJPEG: a level or two apart
-    assert (images.cpu().float() - on_cpu.float()).abs().mean(dim=(1, 2, 3)).max() < 3
+    # The same draws on either device: the CUDA crops augmented on the CPU differ by the kernels' rounding only.
+    by_cpu = _augmented_by_hand(plain.cpu(), pairs, TA_ERASE)
+    assert (images.cpu().float() - by_cpu.float()).abs().mean(dim=(1, 2, 3)).max() < 2
     erase = Augment(random_erase=1.0)
     erased, _ = _encoded(shapes_root, erase)[0].decode(cuda)
     boxes = erase_boxes([seed for _, seed in pairs], 32, 32, 1.0)
