@@ -461,12 +461,14 @@ def test_two_processes_read_disjoint_shards_of_every_file(one_per_class: Path) -
         assert not seen[split][0] & seen[split][1] and seen[split][0] | seen[split][1] == set(range(14))
 
 
-def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: Path, tmp_path: Path) -> None:
-    """As tests/test_resume.py, with DALI: 24 images in batches of 8, 3 steps an epoch, killed inside an epoch."""
+def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
+    """As tests/test_resume.py, with DALI: 144 images in batches of 8, 18 steps an epoch, killed inside an epoch (a
+    step checkpoint at each step: the run is seen at some step of the many inside its epochs, however loaded the
+    machine)."""
 
     def args(out: Path, *extra: str) -> list[str]:
         return fit_args(
-            shapes_root, out, "--data.decoder", "dali", "--trainer.max_epochs", "2", "--trainer.deterministic",
+            learnable_root, out, "--data.decoder", "dali", "--trainer.max_epochs", "2", "--trainer.deterministic",
             "true", "--seed_everything", "7", "--step_checkpoint.every_n_train_steps", "1",
             "--trainer.limit_val_batches", "1", *extra,
             batch_size=8, workers=2, arch=SMALL_ARCH,
@@ -476,7 +478,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one that is killed
         whole_run = _start(args(whole), tmp_path)
         whole_output = pool.submit(whole_run.communicate, timeout=300)
-        killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step % 3 != 0, timeout=300)
+        killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step >= 4 and step % 18, timeout=300)
         out, _ = whole_output.result()
     assert whole_run.returncode == 0, out[-3000:]
 
@@ -484,7 +486,7 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(shapes_root: 
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "Resuming from" in out, out[-3000:]
     final_whole, final_cut = network(final_checkpoint(whole)), network(final_checkpoint(cut))
-    assert torch.load(final_checkpoint(cut), weights_only=True)["global_step"] == 6
+    assert torch.load(final_checkpoint(cut), weights_only=True)["global_step"] == 36
     different = [k for k in final_whole if not torch.equal(final_whole[k], final_cut[k])]
     assert final_whole.keys() == final_cut.keys() and not different, (killed_at, different[:5])
 
