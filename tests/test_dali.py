@@ -462,9 +462,9 @@ def test_two_processes_read_disjoint_shards_of_every_file(one_per_class: Path) -
 
 
 def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_root: Path, tmp_path: Path) -> None:
-    """As tests/test_resume.py, with DALI: 144 images in batches of 8, 18 steps an epoch, killed inside an epoch (a
-    step checkpoint at each step: the run is seen at some step of the many inside its epochs, however loaded the
-    machine)."""
+    """As tests/test_resume.py, with DALI: 144 images in batches of 8, 18 steps an epoch, killed inside an epoch. The
+    killed run waits 0.3 s after each step, so that the watcher reads its step checkpoints however fast DALI is and
+    however loaded the machine; the wait changes nothing that is trained."""
 
     def args(out: Path, *extra: str) -> list[str]:
         return fit_args(
@@ -478,7 +478,11 @@ def test_sigkill_mid_epoch_then_resume_equals_an_uninterrupted_run(learnable_roo
     with ThreadPoolExecutor(1) as pool:  # the uninterrupted run beside the one that is killed
         whole_run = _start(args(whole), tmp_path)
         whole_output = pool.submit(whole_run.communicate, timeout=300)
-        killed_at = kill_when(_start(args(cut), tmp_path), cut, lambda step: step >= 4 and step % 18, timeout=300)
+        slow = tmp_path / "slow.yaml"
+        slow.write_text("trainer:\n  callbacks:\n    - class_path: tests.run_callbacks.SlowSteps\n"
+                        "      init_args: {seconds: 0.3}\n")  # fmt: skip
+        killed = _start(args(cut, "--config", str(slow)), tmp_path)
+        killed_at = kill_when(killed, cut, lambda step: step >= 4 and step % 18, timeout=300)
         out, _ = whole_output.result()
     assert whole_run.returncode == 0, out[-3000:]
 
