@@ -1,7 +1,8 @@
-"""Every private attribute of Lightning (and torch) that the package reads, each behind one function.
+"""Every private attribute of Lightning (and torch) that the package reads, and every change it makes to Lightning's
+loop progress, each behind one function.
 
-A missing one raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each, and
-checks that each private hook marked with ``overrides_private`` still exists.
+A missing attribute raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each,
+and checks that each private hook marked with ``overrides_private`` still exists.
 """
 
 from __future__ import annotations
@@ -114,8 +115,7 @@ def metric_defaults(metric: Metric) -> dict[str, Any]:
 
 
 def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Stops this run's broadcast of rank 0's SIGTERM flag before every training batch (a host sync): the caller
-    tells the ranks about a signal."""
+    """Stops this run's broadcast of rank 0's SIGTERM flag before each batch (a host sync); the caller tells ranks."""
     loop = trainer.fit_loop.epoch_loop
     _private(loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
     loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute: this loop only
@@ -132,30 +132,26 @@ def count_epoch_as_started(trainer: pl.Trainer) -> None:
     """Counts the current training epoch as started, if it is not yet (Lightning does not after a resume from an
     epoch's last step, and a checkpoint inside the epoch would look like one at its end)."""
     progress = trainer.fit_loop.epoch_progress
-    current = _private(progress, "current", "_Progress")
-    if current.started <= current.processed:
-        _private(progress, "increment_ready", "_Progress")()
-        _private(progress, "increment_started", "_Progress")()
+    if progress.current.started <= progress.current.processed:
+        progress.increment_ready()
+        progress.increment_started()
 
 
 def epoch_batches_done(trainer: pl.Trainer) -> int:
     """The training batches of the current epoch that the fit loop counts as processed (restored on a resume)."""
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
-    return int(_private(progress.current, "processed", "_ReadyCompletedTracker"))
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
 def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
-    """Moves the fit loop's batch counts of the current epoch (and of the run) by ``batches``: a run resumed on
-    another grid of batches counts that grid's, for the epoch to end after its last batch."""
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    """Moves the fit loop's batch counts of the epoch and run by ``batches`` (to a resumed run's grid of batches)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
-            setattr(counts, name, int(_private(counts, name, "_ReadyCompletedTracker")) + batches)
+            setattr(counts, name, getattr(counts, name) + batches)
 
 
 def stop_workers(iterator: Any) -> None:
-    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would (Lightning
-    reads an evaluation pass by count, never to its end)."""
+    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would."""
     _private(iterator, "_shutdown_workers", "_MultiProcessingDataLoaderIter", package="torch")()
 
 
@@ -182,8 +178,8 @@ def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, An
     (``max_steps``, ``max_time``, ``should_stop``): Lightning counts it as processed, and a run resumed from such a
     checkpoint would start the next epoch. Returns whether it changed ``checkpoint``."""
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
-    if not fit or progress.is_last_batch or epoch_batches_done(trainer) >= trainer.num_training_batches:
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    if not fit or last or epoch_batches_done(trainer) >= trainer.num_training_batches:
         return False
     try:
         current, total_counts = fit["epoch_progress"]["current"], fit["epoch_progress"]["total"]

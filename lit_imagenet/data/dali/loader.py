@@ -10,7 +10,8 @@ import math
 import re
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,9 +26,6 @@ from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from lit_imagenet.data.samplers import EpochSeededSampler
 from lit_imagenet.errors import ConfigError, DataError, undecodable_image
 
-if TYPE_CHECKING:
-    from types import ModuleType
-
 HW_DECODER_LOAD = 0.65
 # Batches DALI may have read beyond the one it hands over when an error surfaces (its queue and the reader's).
 _BATCHES_AHEAD = 3
@@ -35,8 +33,7 @@ _BATCHES_AHEAD = 3
 
 def dali_install_command() -> str:
     """The ``pip install`` that brings the DALI build matching this torch's CUDA (CUDA 13 for CPU builds)."""
-    cuda = torch.version.cuda
-    flavour = "cuda120" if cuda is not None and cuda.startswith("12.") else "cuda130"
+    flavour = "cuda120" if str(torch.version.cuda).startswith("12.") else "cuda130"
     return f"pip install 'lit_imagenet[dali-{flavour}]'"
 
 
@@ -86,14 +83,12 @@ class DALILoader:
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
-        augment: Training only: the auto-augment policy, by ``nvidia.dali.auto_aug`` (``ta_wide``, ``ra``), and
-            the random erasing, after the crop and before the flip. The crops, flips and erased boxes are the other
-            decoders' for a seed; DALI draws the policy from ``pipeline_seed``, so its draws differ from the other
-            decoders', and a resumed epoch's from those of the uninterrupted one.
+        augment: Training only: the auto-augment policy (``ta_wide``, ``ra``: ``nvidia.dali.auto_aug``, drawn from
+            ``pipeline_seed``) and the random erasing; the crops, flips and erased boxes are the other decoders'.
 
     Raises:
         ConfigError: ``augment``'s policy is ``augmix``, which DALI does not have.
-        ValueError: ``train`` without an ``EpochSeededSampler``, or another ``dtype``.
+        ValueError: ``train`` without an ``EpochSeededSampler``.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -124,8 +119,6 @@ class DALILoader:
             )
         if train and not isinstance(sampler, EpochSeededSampler):
             raise ValueError(f"A training DALILoader takes its order from an EpochSeededSampler. Got {sampler!r}")
-        if dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"DALI batches are float32 or float16. Got {dtype}")
         import_dali()
         if device is not None and device.type != "cuda":
             device = None
@@ -188,11 +181,7 @@ class DALILoader:
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
         except RuntimeError as err:
-            raise _named_error(err, self._window(indices, 0), self.threads) from None
-
-    def _window(self, indices: np.ndarray, batch: int) -> list[str]:
-        """The files of batch ``batch`` of a pass and of the batches DALI may have read beyond it."""
-        return self.samples.paths(indices[batch * self.batch_size : (batch + 1 + _BATCHES_AHEAD) * self.batch_size])
+            raise self._named_error(err, indices, 0) from None
 
     def __iter__(self) -> Iterator[list[Tensor]]:
         if self._active is not None:
@@ -225,29 +214,27 @@ class DALILoader:
                     source = None  # the epoch's pipeline goes; the next epoch builds its own
                 yield [images, labels]
         except RuntimeError as err:
-            raise _named_error(err, self._window(indices, read), self.threads) from None
+            raise self._named_error(err, indices, read) from None
+
+    def _named_error(self, err: RuntimeError, indices: np.ndarray, batch: int) -> Exception:
+        """A ``DataError`` naming the file DALI failed on in batch ``batch`` of a pass, or ``err``: DALI's errors may
+        not name it and may come from a batch a few ahead, so the first of their files that PIL fails on is named."""
+        window = self.samples.paths(indices[batch * self.batch_size : (batch + 1 + _BATCHES_AHEAD) * self.batch_size])
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for found in pool.map(_decode_error, window):
+                if found is not None:
+                    return found
+        message = str(err)
+        for path in window:
+            if path in message:
+                line = next((line for line in message.splitlines() if path in line), "DALI cannot decode it")
+                return undecodable_image(path, re.sub(r"\s+", " ", line.strip()))
+        return err
 
 
-def _named_error(err: RuntimeError, window: list[str], threads: int) -> Exception:
-    """A ``DataError`` naming the file of ``window`` that DALI failed on, or ``err`` when no file is to blame.
-
-    DALI's errors may not name the file and may come from a batch a few ahead: the first that PIL fails on is named.
-    """
-
-    def check(path: str) -> DataError | None:
-        try:
-            load_rgb(path)
-        except DataError as bad:
-            return bad
-        return None
-
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for found in pool.map(check, window):
-            if found is not None:
-                return found
-    message = str(err)
-    for path in window:
-        if path in message:
-            lines = [line.strip() for line in message.splitlines() if path in line]
-            return undecodable_image(path, re.sub(r"\s+", " ", lines[0]) if lines else "DALI cannot decode it")
-    return err
+def _decode_error(path: str) -> DataError | None:
+    try:
+        load_rgb(path)
+    except DataError as bad:
+        return bad
+    return None

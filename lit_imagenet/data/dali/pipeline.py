@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from lit_imagenet.data.augment import Augment, erase_boxes
+from lit_imagenet.data.augment import erase_boxes
 from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips, uniform_draws
 
 if TYPE_CHECKING:
@@ -32,26 +33,18 @@ def _rows(iteration: int, count: int, batch_size: int) -> np.ndarray:
     return np.minimum(np.arange(start, start + batch_size), count - 1)
 
 
+@dataclass(eq=False)
 class CropSource:
     """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``, and
     with ``erase`` (``(p, crop side)``) the boxes to erase (``augment.erase_boxes``) as ``fn.erase`` takes them.
     ``sizes``: the ``(height, width)`` of samples (``images.ImageSizes.get``)."""
 
-    def __init__(
-        self,
-        indices: np.ndarray,
-        seeds: np.ndarray,
-        sizes: Callable[[np.ndarray], np.ndarray],
-        batch_size: int,
-        scale: tuple[float, float],
-        erase: tuple[float, int] | None = None,
-    ) -> None:
-        self.indices = indices
-        self.seeds = np.asarray(seeds, dtype=np.uint64)
-        self.sizes = sizes
-        self.batch_size = batch_size
-        self.scale = scale
-        self.erase = erase
+    indices: np.ndarray
+    seeds: np.ndarray
+    sizes: Callable[[np.ndarray], np.ndarray]
+    batch_size: int
+    scale: tuple[float, float]
+    erase: tuple[float, int] | None = None
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, ...]:
         rows = _rows(iteration, len(self.indices), self.batch_size)
@@ -72,23 +65,10 @@ class CropSource:
 
 
 def pipeline_seed(seed: int, epoch: int, skipped: int, rank: int) -> int:
-    """The seed of a training pipeline, from which DALI draws the auto-augment policy: fixed by the run's ``seed``,
-    the ``epoch``, the samples of the epoch ``skipped`` by a resume and the process's ``rank``."""
+    """The seed a training pipeline draws its auto-augment policy from: the run's ``seed``, the ``epoch``, the samples
+    of the epoch ``skipped`` by a resume and the process's ``rank``."""
     key = ((((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + skipped) * 1_000_003 + rank) & 0x7FFFFFFFFFFFFFFF
     return int(uniform_draws([key], 1)[0, 0] * 2**31)
-
-
-def _policy(images: Any, augment: Augment, crop_size: int) -> Any:
-    """``augment``'s policy (``ta_wide`` or ``ra``) by ``nvidia.dali.auto_aug`` on uint8 HWC crops (the pipeline
-    needs conditionals)."""
-    from nvidia.dali.auto_aug import rand_augment, trivial_augment
-
-    if augment.policy == "ta_wide":
-        return trivial_augment.trivial_augment_wide(images, fill_value=_POLICY_FILL)
-    return rand_augment.rand_augment(
-        images, n=2, m=augment.ra_magnitude, shape=(crop_size, crop_size), fill_value=_POLICY_FILL,
-        max_translate_rel=_RA_TRANSLATE,
-    )  # fmt: skip
 
 
 def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
@@ -96,6 +76,7 @@ def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | 
     ``loader.device`` (``None``: the CPU). With their ``seeds`` (training): their crops and flips (``CropSource``),
     ``loader.augment``'s policy drawn from ``seed`` and its erasing; else resize and centre crop."""
     from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.auto_aug import rand_augment, trivial_augment
 
     augment, crop_size, batch_size = loader.augment, loader.crop_size, loader.batch_size
     erase = (augment.random_erase, crop_size) if augment and augment.random_erase else None
@@ -109,19 +90,17 @@ def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | 
 
     files, labels = loader.samples.paths(indices), loader.samples.labels[indices].tolist()
     cuda = loader.device is not None
-    decode_device = "mixed" if cuda else "cpu"
     # EXIF orientation is left alone, as PIL and torchvision.io leave it on the other paths.
-    decode_args: dict[str, Any] = {"output_type": types.RGB, "adjust_orientation": False}
+    decode_args = dict(device="mixed" if cuda else "cpu", output_type=types.RGB, adjust_orientation=False)
     if cuda:
         decode_args["hw_decoder_load"] = loader.hw_decoder_load
-    policy = augment is not None and augment.policy is not None
-    device_id = loader.device.index if loader.device is not None else None
+    policy = augment.policy if augment is not None else None
+    device_id = loader.device.index if cuda else None
 
-    # seed: only a policy is drawn in the pipeline, the crops come from the samples' seeds; auto_aug picks its ops
-    # by `if` (conditionals)
+    # seed: only a policy is drawn in the pipeline, with conditionals: auto_aug picks its ops by `if`.
     @pipeline_def(
         batch_size=batch_size, num_threads=loader.threads, device_id=device_id, seed=seed,
-        enable_conditionals=policy,
+        enable_conditionals=policy is not None,
     )  # fmt: skip
     def pipeline() -> tuple[Any, Any]:
         encoded, label = fn.readers.file(
@@ -129,25 +108,29 @@ def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | 
         )
         mirror: Any = 0
         crop: dict[str, Any] = {}
-        if isinstance(source, CropSource):
-            erasing = source.erase is not None
+        if seeds is not None:
+            erasing = erase is not None
             outputs = fn.external_source(
                 source=source, num_outputs=5 if erasing else 3, batch=True,
                 dtype=[types.INT32, types.INT32, types.INT32, *([types.FLOAT, types.FLOAT] if erasing else [])],
             )  # fmt: skip
             anchor, box, mirror = outputs[:3]
             images = fn.decoders.image_slice(
-                encoded, anchor, box, normalized_anchor=False, normalized_shape=False, device=decode_device,
-                **decode_args,
-            )  # fmt: skip
+                encoded, anchor, box, normalized_anchor=False, normalized_shape=False, **decode_args
+            )
             images = fn.resize(images, resize_x=crop_size, resize_y=crop_size, antialias=True)
-            if policy:
-                images = _policy(images, augment, crop_size)
-            if erasing and augment is not None:  # a 0 x 0 box erases nothing
+            if policy == "ta_wide":  # on uint8 HWC crops
+                images = trivial_augment.trivial_augment_wide(images, fill_value=_POLICY_FILL)
+            elif policy == "ra":
+                images = rand_augment.rand_augment(
+                    images, n=2, m=augment.ra_magnitude, shape=(crop_size, crop_size), fill_value=_POLICY_FILL,
+                    max_translate_rel=_RA_TRANSLATE,
+                )  # fmt: skip
+            if erasing:  # a 0 x 0 box erases nothing
                 fill = list(augment.fill)
                 images = fn.erase(images, anchor=outputs[3], shape=outputs[4], axis_names="HW", fill_value=fill)
         else:
-            images = fn.decoders.image(encoded, device=decode_device, **decode_args)
+            images = fn.decoders.image(encoded, **decode_args)
             resized, position = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.FLOAT] * 2)
             images = fn.resize(images, resize_x=resized[0], resize_y=resized[1], antialias=True)
             crop = {"crop": (crop_size, crop_size), "crop_pos_x": position[0], "crop_pos_y": position[1]}
