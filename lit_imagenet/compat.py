@@ -47,9 +47,8 @@ def _private(obj: Any, name: str, owner: str, package: str = "pytorch-lightning"
 def untested_version_warning(version: str | None = None) -> str | None:
     """The warning for a pytorch-lightning ``version`` (``None``: the installed one) not tested, or ``None``."""
     version = pl.__version__ if version is None else version
-    if ".".join(version.split(".")[:2]) in TESTED_VERSIONS:
-        return None
-    return f"warning: pytorch-lightning {version} is untested; tested: {', '.join(TESTED_VERSIONS)}"
+    tested = ".".join(version.split(".")[:2]) in TESTED_VERSIONS
+    return None if tested else f"warning: pytorch-lightning {version} is untested; tested: {', '.join(TESTED_VERSIONS)}"
 
 
 def overrides_private(base: type) -> Callable[[_Method], _Method]:

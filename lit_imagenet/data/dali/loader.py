@@ -38,11 +38,7 @@ def dali_install_command() -> str:
 
 
 def import_dali() -> ModuleType:
-    """``nvidia.dali``, imported.
-
-    Raises:
-        ConfigError: DALI is not installed (or does not load); the message says what to install.
-    """
+    """``nvidia.dali``, imported; a ``ConfigError`` saying what to install when it is missing or does not load."""
     try:
         import nvidia.dali as dali
         import nvidia.dali.plugin.pytorch  # noqa: F401  (the iterator that hands DALI's batches to torch)
@@ -151,8 +147,7 @@ class DALILoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's seed, saved in checkpoints, as ``PrefetchLoader`` saves it."""
-        seed = getattr(self.sampler, "seed", None)
-        return {} if seed is None else {"seed": int(seed)}
+        return {"seed": int(self.sampler.seed)} if hasattr(self.sampler, "seed") else {}  # type: ignore[union-attr]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
@@ -160,7 +155,7 @@ class DALILoader:
 
     def _order(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """The sample indices of the next pass, and for training their augmentation seeds; the pipeline's seed."""
-        if isinstance(self.sampler, EpochSeededSampler) and self.train:
+        if self.train and isinstance(self.sampler, EpochSeededSampler):
             s = self.sampler
             seed = pipeline_seed(s.seed, s.epoch, s.skips(), s.rank) if self.augment else 0
             return (*s.next_pass(), seed)
@@ -169,8 +164,7 @@ class DALILoader:
 
     def _build(self, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
         """DALI's iterator over a pipeline of samples ``indices`` (``build_pipeline``)."""
-        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
         self.sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)

@@ -27,8 +27,7 @@ _POLICY_FILL = 0
 
 
 def _rows(iteration: int, count: int, batch_size: int) -> np.ndarray:
-    """The rows of a pass's ``count`` samples that the reader reads as batch ``iteration``, the last padded with the
-    last sample as the reader pads it; a pipeline rewound for another pass counts its iterations on."""
+    """The rows of batch ``iteration`` of ``count`` samples, padded as the reader pads; iterations go on over resets."""
     start = iteration % max(1, math.ceil(count / batch_size)) * batch_size
     return np.minimum(np.arange(start, start + batch_size), count - 1)
 
@@ -95,11 +94,10 @@ def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | 
     if cuda:
         decode_args["hw_decoder_load"] = loader.hw_decoder_load
     policy = augment.policy if augment is not None else None
-    device_id = loader.device.index if cuda else None
 
     # seed: only a policy is drawn in the pipeline, with conditionals: auto_aug picks its ops by `if`.
     @pipeline_def(
-        batch_size=batch_size, num_threads=loader.threads, device_id=device_id, seed=seed,
+        batch_size=batch_size, num_threads=loader.threads, device_id=loader.device.index if cuda else None, seed=seed,
         enable_conditionals=policy is not None,
     )  # fmt: skip
     def pipeline() -> tuple[Any, Any]:
