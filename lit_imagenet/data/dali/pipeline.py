@@ -10,16 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from lit_imagenet.data.augment import erase_boxes
 from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips, uniform_draws
-
-if TYPE_CHECKING:
-    from lit_imagenet.data.dali.loader import DALILoader
 
 # torchvision's RandAugment shifts by up to 150/331 of the image; its policies fill uncovered pixels with black.
 _RA_TRANSLATE = 150 / 331
@@ -70,8 +67,8 @@ def pipeline_seed(seed: int, epoch: int, skipped: int, rank: int) -> int:
     return int(uniform_draws([key], 1)[0, 0] * 2**31)
 
 
-def build_pipeline(loader: DALILoader, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
-    """A DALI pipeline yielding ``(images, labels)`` batches of ``loader``'s samples ``indices`` in order, on
+def build_pipeline(loader: Any, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
+    """A DALI pipeline yielding ``(images, labels)`` batches of samples ``indices`` of ``loader`` (a ``DALILoader``), on
     ``loader.device`` (``None``: the CPU). With their ``seeds`` (training): their crops and flips (``CropSource``),
     ``loader.augment``'s policy drawn from ``seed`` and its erasing; else resize and centre crop."""
     from nvidia.dali import fn, pipeline_def, types
