@@ -1,19 +1,18 @@
-"""Every private attribute of Lightning (and torchmetrics, torch) that the package reads, each behind one function.
+"""Every private attribute of Lightning (and torch) that the package reads, and every change it makes to Lightning's
+loop progress, each behind one function.
 
-A missing one raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each. An
-override of a private hook is marked with ``overrides_private``, and the tests check that the hook still exists.
+A missing attribute raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each,
+and checks that each private hook marked with ``overrides_private`` still exists.
 """
 
 from __future__ import annotations
 
-import importlib
+import importlib.metadata
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import pytorch_lightning as pl
-import torch
-import torchmetrics
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.plugins import LayerSync
 from pytorch_lightning.strategies import DDPStrategy, ParallelStrategy
@@ -24,53 +23,46 @@ from torchmetrics import Metric
 TESTED_VERSIONS = ("2.6",)
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
-_OVERRIDES: list[tuple[type, str]] = []
+#: ``(Lightning class, hook name)`` of every private hook overridden in the modules imported so far.
+PRIVATE_OVERRIDES: list[tuple[type, str]] = []
 
 
 class LightningCompatError(AttributeError):
-    """The installed Lightning (or torchmetrics) lacks a private attribute that the package reads."""
+    """The installed Lightning (or torch) lacks a private attribute that the package reads."""
+
+
+def _incompatible(package: str, what: str) -> LightningCompatError:
+    tested = f"; it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}" if package != "torch" else ""
+    version = importlib.metadata.version(package)
+    return LightningCompatError(f"{package} {version} {what} (lit_imagenet/compat.py){tested}.")
 
 
 def _private(obj: Any, name: str, owner: str, package: str = "pytorch-lightning") -> Any:
     try:
         return getattr(obj, name)
     except AttributeError:
-        lightning = package == "pytorch-lightning"
-        versions = {"pytorch-lightning": pl.__version__, "torch": torch.__version__}
-        version = versions.get(package, torchmetrics.__version__)
-        tested = f"; it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}" if lightning else ""
-        raise LightningCompatError(
-            f"{package} {version} has no {owner}.{name}, which lit_imagenet reads (lit_imagenet/compat.py){tested}."
-        ) from None
+        raise _incompatible(package, f"has no {owner}.{name}, which lit_imagenet reads") from None
 
 
 def untested_version_warning(version: str | None = None) -> str | None:
-    """The warning line for a pytorch-lightning ``version`` (``None``: the installed one) outside
-    ``TESTED_VERSIONS``, or ``None``."""
+    """The warning for a pytorch-lightning ``version`` (``None``: the installed one) not tested, or ``None``."""
     version = pl.__version__ if version is None else version
-    if ".".join(version.split(".")[:2]) in TESTED_VERSIONS:
-        return None
-    return f"warning: pytorch-lightning {version} is untested; tested: {', '.join(TESTED_VERSIONS)}"
+    tested = ".".join(version.split(".")[:2]) in TESTED_VERSIONS
+    return None if tested else f"warning: pytorch-lightning {version} is untested; tested: {', '.join(TESTED_VERSIONS)}"
 
 
 def overrides_private(base: type) -> Callable[[_Method], _Method]:
-    """Marks a method that overrides the private hook of the same name in ``base`` (see ``private_overrides``)."""
+    """Marks a method that overrides the private hook of the same name in ``base`` (``PRIVATE_OVERRIDES``)."""
 
     def mark(method: _Method) -> _Method:
-        _OVERRIDES.append((base, method.__name__))
+        PRIVATE_OVERRIDES.append((base, method.__name__))
         return method
 
     return mark
 
 
-def private_overrides() -> list[tuple[type, str]]:
-    """``(Lightning class, hook name)`` of every private hook overridden in the modules imported so far."""
-    return list(_OVERRIDES)
-
-
 def writes_log_line(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``
-    optimizer steps, counted over the whole run): the model logs its step figures on those batches."""
+    """Whether Lightning writes step metrics after the current training batch (every ``log_every_n_steps``)."""
     return bool(_private(trainer, "_logger_connector", "Trainer").should_update_logs)
 
 
@@ -108,68 +100,62 @@ def layer_sync(strategy: ParallelStrategy) -> LayerSync | None:
 
 
 def attached_trainer(module: nn.Module) -> pl.Trainer | None:
-    """The trainer a LightningModule is attached to (``LightningModule.trainer`` raises without one), or ``None``;
-    another module's own ``_trainer`` attribute, if it has one."""
+    """The trainer ``module`` is attached to, or ``None`` (``LightningModule.trainer`` raises without one)."""
     if isinstance(module, pl.LightningModule):
         return _private(module, "_trainer", "LightningModule")
     return getattr(module, "_trainer", None)
 
 
 def metric_defaults(metric: Metric) -> dict[str, Any]:
-    """A torchmetrics metric's states as ``reset()`` leaves them, by name."""
-    return dict(_private(metric, "_defaults", "Metric", package="torchmetrics"))
+    """A torchmetrics metric's states as ``reset()`` leaves them, by name (``metric`` itself keeps its states)."""
+    fresh = metric.clone()
+    fresh.reset()
+    return dict(fresh.metric_state)
 
 
 def skip_sigterm_broadcast(trainer: pl.Trainer) -> None:
-    """Stops Lightning's broadcast of rank 0's SIGTERM flag before every training batch (a host sync), for this
-    run; the caller takes over telling the ranks about a signal."""
+    """Stops this run's broadcast of rank 0's SIGTERM flag before each batch (a host sync); the caller tells ranks."""
     loop = trainer.fit_loop.epoch_loop
     _private(loop, "_broadcast_sigterm_tensor", "_TrainingEpochLoop")
     loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute: this loop only
 
 
 def mark_sigterm(trainer: pl.Trainer) -> None:
-    """Marks the process as having received SIGTERM, as Lightning's handler does: the training loop
-    then stops at the end of the current batch, and ``trainer.received_sigterm`` is true."""
+    """Marks the process as having received SIGTERM, as Lightning's handler does: training stops after this batch."""
     connector = _private(trainer, "_signal_connector", "Trainer")
     _private(connector, "received_sigterm", "_SignalConnector")
     connector.received_sigterm = True
 
 
 def count_epoch_as_started(trainer: pl.Trainer) -> None:
-    """Counts the current training epoch as started in the fit loop's progress, if it is not yet: after a resume
-    from an epoch's last step Lightning does not, and a checkpoint inside the epoch would look like one at its end."""
+    """Counts the current training epoch as started, if it is not yet (Lightning does not after a resume from an
+    epoch's last step, and a checkpoint inside the epoch would look like one at its end)."""
     progress = trainer.fit_loop.epoch_progress
-    current = _private(progress, "current", "_Progress")
-    if current.started <= current.processed:
-        _private(progress, "increment_ready", "_Progress")()
-        _private(progress, "increment_started", "_Progress")()
+    if progress.current.started <= progress.current.processed:
+        progress.increment_ready()
+        progress.increment_started()
 
 
 def epoch_batches_done(trainer: pl.Trainer) -> int:
     """The training batches of the current epoch that the fit loop counts as processed (restored on a resume)."""
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
-    return int(_private(progress.current, "processed", "_ReadyCompletedTracker"))
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.processed)
 
 
 def shift_epoch_batches(trainer: pl.Trainer, batches: int) -> None:
-    """Moves the fit loop's batch counts of the current epoch (and of the run) by ``batches``, each alike: a run
-    resumed on another grid of batches counts that grid's batches, for the epoch to end after its last one."""
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
+    """Moves the fit loop's batch counts of the epoch and run by ``batches`` (to a resumed run's grid of batches)."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
     for counts in (progress.current, progress.total):
         for name in ("ready", "started", "processed", "completed"):
-            setattr(counts, name, int(_private(counts, name, "_ReadyCompletedTracker")) + batches)
+            setattr(counts, name, getattr(counts, name) + batches)
 
 
 def stop_workers(iterator: Any) -> None:
-    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would (Lightning
-    reads an evaluation pass by count, and never asks the iterator for the item that would end it)."""
+    """Stops the worker processes of a multi-process ``DataLoader`` iterator, as its own end would."""
     _private(iterator, "_shutdown_workers", "_MultiProcessingDataLoaderIter", package="torch")()
 
 
 def user_inductor_cache_dir() -> str | None:
-    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it; ``None`` when unset or holding inductor's own default,
-    which inductor writes there itself."""
+    """``TORCHINDUCTOR_CACHE_DIR`` as the user set it; ``None`` when unset or holding inductor's own default."""
     value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if value is None:
         return None
@@ -182,20 +168,17 @@ def user_inductor_cache_dir() -> str | None:
 
 
 def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, optimizer: Any) -> None:
-    """Runs what a precision plugin does after the training closure: the ``on_before_optimizer_step`` hooks and
-    gradient clipping (for a plugin whose optimizer step cannot take the closure)."""
+    """Runs a precision plugin's steps after the training closure (``on_before_optimizer_step``, clipping)."""
     _private(plugin, "_after_closure", "Precision")(model, optimizer)
 
 
 def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
-    """Records the current training epoch as unfinished in ``checkpoint`` (as a step checkpoint inside it would be)
-    when the fit loop counts it as processed although it ended before its last batch: Lightning does so when
-    ``max_steps``, ``max_time`` or ``should_stop`` end an epoch part-way, and a run resumed from such a checkpoint
-    would start the next epoch. Returns whether it changed ``checkpoint``."""
+    """Records the current training epoch as unfinished in ``checkpoint`` when it ended before its last batch
+    (``max_steps``, ``max_time``, ``should_stop``): Lightning counts it as processed, and a run resumed from such a
+    checkpoint would start the next epoch. Returns whether it changed ``checkpoint``."""
     fit = checkpoint.get("loops", {}).get("fit_loop")
-    progress = _private(trainer.fit_loop.epoch_loop, "batch_progress", "_TrainingEpochLoop")
-    done, total = int(_private(progress.current, "processed", "_ReadyCompletedTracker")), trainer.num_training_batches
-    if not fit or progress.is_last_batch or done >= total:
+    last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+    if not fit or last or epoch_batches_done(trainer) >= trainer.num_training_batches:
         return False
     try:
         current, total_counts = fit["epoch_progress"]["current"], fit["epoch_progress"]["total"]
@@ -204,9 +187,7 @@ def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, An
         for counts in (current, total_counts):
             counts["processed"] = counts["completed"] = counts["started"] - 1
     except (KeyError, TypeError):
-        raise LightningCompatError(
-            f"pytorch-lightning {pl.__version__} saves the fit loop's epoch progress in another form than lit_imagenet "
-            f"reads (lit_imagenet/compat.py); it is tested with pytorch-lightning {', '.join(TESTED_VERSIONS)}."
-        ) from None
+        what = "saves the fit loop's epoch progress in another form than lit_imagenet reads"
+        raise _incompatible("pytorch-lightning", what) from None
     checkpoint["epoch"] = current["completed"]
     return True

@@ -18,11 +18,8 @@ class ConfigError(UserError):
 
 
 def undecodable_image(path: str | os.PathLike[str], reason: str) -> DataError:
-    """The error for an image file that cannot be used, whoever finds it: the folder scan, a loader or a decoder.
-
-    A file that is gone is named as missing (its folder changed after the scan); one that is there is to be
-    replaced or removed, with ``reason``.
-    """
+    """The error for an image file that cannot be used, whoever finds it: missing (its folder changed after the
+    scan), a broken link, or undecodable for ``reason``."""
     if not os.path.lexists(path):
         return DataError(
             f"Image {path} is missing: its folder changed after it was scanned; run again, which scans it anew."

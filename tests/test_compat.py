@@ -139,7 +139,7 @@ def test_metric_defaults_are_the_states_after_reset() -> None:
 
 
 def test_every_overridden_private_hook_exists_in_lightning() -> None:
-    overrides = compat.private_overrides()
+    overrides = compat.PRIVATE_OVERRIDES
     assert (DDPStrategy, "_setup_model") in overrides
     for cls, name in overrides:
         assert hasattr(cls, name), (

@@ -310,6 +310,12 @@ def test_augmix_with_dali_is_refused_in_one_line(shapes_root: Path) -> None:
     )
 
 
+def test_a_training_loader_needs_an_epoch_seeded_sampler(shapes_root: Path) -> None:
+    samples = _module(shapes_root).samples("train")
+    with pytest.raises(ValueError, match="^A training DALILoader takes its order from an EpochSeededSampler. Got None"):
+        DALILoader(samples, 6, True, 32, 36, (0.08, 1.0), 2, sampler=None)
+
+
 def test_the_policys_pipeline_seed_follows_seed_epoch_resume_and_rank() -> None:
     seeds = {pipeline_seed(*args) for args in [(3, 1, 0, 0), (4, 1, 0, 0), (3, 2, 0, 0), (3, 1, 12, 0), (3, 1, 0, 1)]}
     assert len(seeds) == 5 and all(0 <= s < 2**31 for s in seeds)
@@ -322,9 +328,9 @@ def test_each_epoch_gets_a_pipeline_of_the_samplers_order(shapes_root: Path, mon
     builds: list[tuple[int, int]] = []
     build = DALILoader._build
 
-    def counted(self, indices, seeds):
+    def counted(self, indices, *args):
         builds.append((int(self.sampler.epoch), len(indices)))
-        return build(self, indices, seeds)
+        return build(self, indices, *args)
 
     def alone(epoch: int, seed: int = 3) -> list[list[torch.Tensor]]:
         loader = _module(shapes_root, batch_size=5, seed=seed).train_dataloader()
@@ -359,9 +365,9 @@ def test_an_evaluation_pipeline_is_built_once_and_gives_the_same_batches_every_p
     builds: list[int] = []
     build = DALILoader._build
 
-    def counted(self, indices, seeds):
+    def counted(self, indices, *args):
         builds.append(len(indices))
-        return build(self, indices, seeds)
+        return build(self, indices, *args)
 
     monkeypatch.setattr(DALILoader, "_build", counted)
     dm = _module(varied_root, batch_size=4)

@@ -1,7 +1,7 @@
 """The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``.
 
 The sampler gives the order, shard and augmentation seeds, as for the other decoders. A training epoch gets a
-pipeline built from the sampler's order; an evaluation loader builds one pipeline and reads it at each pass.
+pipeline of the sampler's order; an evaluation loader builds one pipeline and reads it at each pass.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import math
 import re
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,15 +19,12 @@ from torch import Tensor
 from torch.utils.data import Sampler
 
 from lit_imagenet.data.augment import Augment
-from lit_imagenet.data.dali.pipeline import CropSource, GeometrySource, build_pipeline, pipeline_seed
+from lit_imagenet.data.dali.pipeline import build_pipeline, pipeline_seed
 from lit_imagenet.data.images import ImageSizes, load_rgb
 from lit_imagenet.data.index import SampleTable
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from lit_imagenet.data.samplers import EpochSeededSampler
 from lit_imagenet.errors import ConfigError, DataError, undecodable_image
-
-if TYPE_CHECKING:
-    from types import ModuleType
 
 HW_DECODER_LOAD = 0.65
 # Batches DALI may have read beyond the one it hands over when an error surfaces (its queue and the reader's).
@@ -35,17 +33,12 @@ _BATCHES_AHEAD = 3
 
 def dali_install_command() -> str:
     """The ``pip install`` that brings the DALI build matching this torch's CUDA (CUDA 13 for CPU builds)."""
-    cuda = torch.version.cuda
-    flavour = "cuda120" if cuda is not None and cuda.startswith("12.") else "cuda130"
+    flavour = "cuda120" if str(torch.version.cuda).startswith("12.") else "cuda130"
     return f"pip install 'lit_imagenet[dali-{flavour}]'"
 
 
 def import_dali() -> ModuleType:
-    """``nvidia.dali``, imported.
-
-    Raises:
-        ConfigError: DALI is not installed (or does not load); the message says what to install.
-    """
+    """``nvidia.dali``, imported; a ``ConfigError`` saying what to install when it is missing or does not load."""
     try:
         import nvidia.dali as dali
         import nvidia.dali.plugin.pytorch  # noqa: F401  (the iterator that hands DALI's batches to torch)
@@ -77,8 +70,8 @@ class DALILoader:
         val_resize: Short side before the evaluation centre crop.
         crop_scale: Range of the crop's area, as a fraction of the image.
         threads: DALI's CPU threads.
-        sampler: The order: ``(index, augmentation seed)`` pairs for training (``EpochSeededSampler``),
-            indices for evaluation; ``None`` reads every sample in order.
+        sampler: The order: an ``EpochSeededSampler`` for training; for evaluation, indices, or ``None`` for
+            every sample in order.
         device: A CUDA device for the pipeline, or ``None`` for the CPU.
         channels_last: Lay the batch out as channels_last.
         dtype: ``torch.float32`` or ``torch.float16``.
@@ -86,14 +79,12 @@ class DALILoader:
         std: Per-channel standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
-        augment: Training only: the auto-augment policy, by DALI's ``nvidia.dali.auto_aug`` (``ta_wide``, ``ra``),
-            and the random erasing, after the crop and before the flip and normalisation. The crops, flips and
-            erased boxes are those of the other decoders for a seed; the policy is drawn by DALI from a seed of
-            the run's seed, the epoch, the samples a resume skips and the rank, so its draws differ from the other
-            decoders', and a resumed epoch's from those of the uninterrupted one.
+        augment: Training only: the auto-augment policy (``ta_wide``, ``ra``: ``nvidia.dali.auto_aug``, drawn from
+            ``pipeline_seed``) and the random erasing; the crops, flips and erased boxes are the other decoders'.
 
     Raises:
         ConfigError: ``augment``'s policy is ``augmix``, which DALI does not have.
+        ValueError: ``train`` without an ``EpochSeededSampler``.
     """
 
     batch_sampler = None  # batches are formed in the pipeline; Lightning looks for this as on a DataLoader
@@ -122,8 +113,8 @@ class DALILoader:
                 "--data.auto_augment augmix is not available with --data.decoder dali, which has no AugMix: "
                 "choose ta_wide or ra, or the pil, torchvision or nvjpeg decoder."
             )
-        if dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"DALI batches are float32 or float16. Got {dtype}")
+        if train and not isinstance(sampler, EpochSeededSampler):
+            raise ValueError(f"A training DALILoader takes its order from an EpochSeededSampler. Got {sampler!r}")
         import_dali()
         if device is not None and device.type != "cuda":
             device = None
@@ -145,8 +136,7 @@ class DALILoader:
         self.hw_decoder_load = hw_decoder_load
         self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
         self.augment = augment if train and augment else None
-        self._seed = 0  # the pipeline's seed for the pass being built (``pipeline_seed``)
-        self._sizes = ImageSizes(self.samples)  # read from the headers as the batches need them
+        self.sizes = ImageSizes(self.samples)  # read from the headers as the batches need them
         self._kept: tuple[Any, np.ndarray] | None = None  # an evaluation pipeline at its first batch, and its order
         self._active: Generator[list[Tensor], None, None] | None = None
 
@@ -157,62 +147,35 @@ class DALILoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's seed, saved in checkpoints, as ``PrefetchLoader`` saves it."""
-        seed = getattr(self.sampler, "seed", None)
-        return {} if seed is None else {"seed": int(seed)}
+        return {"seed": int(self.sampler.seed)} if hasattr(self.sampler, "seed") else {}  # type: ignore[union-attr]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "seed" in state_dict and hasattr(self.sampler, "seed"):
             self.sampler.seed = int(state_dict["seed"])  # type: ignore[union-attr]
 
-    def _order(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """The sample indices of the next pass, and for training their augmentation seeds."""
-        if not self.train:
-            if self.sampler is None:
-                indices = np.arange(len(self.samples), dtype=np.int64)
-            else:
-                indices = np.fromiter(iter(self.sampler), dtype=np.int64)
-            return (indices if self.max_batches is None else indices[: self.max_batches * self.batch_size]), None
-        self._seed = 0
-        if self.sampler is None:
-            return np.arange(len(self.samples), dtype=np.int64), np.zeros(len(self.samples), dtype=np.uint64)
-        if isinstance(self.sampler, EpochSeededSampler):
+    def _order(self) -> tuple[np.ndarray, np.ndarray | None, int]:
+        """The sample indices of the next pass, and for training their augmentation seeds; the pipeline's seed."""
+        if self.train and isinstance(self.sampler, EpochSeededSampler):
             s = self.sampler
-            self._seed = pipeline_seed(s.seed, s.epoch, s.skips(), s.rank) if self.augment else 0
-            return s.next_pass()
-        pairs = list(self.sampler)
-        return np.array([i for i, _ in pairs], dtype=np.int64), np.array([s for _, s in pairs], dtype=np.uint64)
+            seed = pipeline_seed(s.seed, s.epoch, s.skips(), s.rank) if self.augment else 0
+            return (*s.next_pass(), seed)
+        indices = np.arange(len(self.samples)) if self.sampler is None else np.fromiter(self.sampler, dtype=np.int64)
+        return indices[: len(self) * self.batch_size], None, 0  # limited to ``max_batches``
 
-    def _build(self, indices: np.ndarray, seeds: np.ndarray | None) -> Any:
-        """DALI's iterator over a pipeline that reads samples ``indices`` in order (with their ``seeds``: training)."""
-        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
-        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+    def _build(self, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
+        """DALI's iterator over a pipeline of samples ``indices`` (``build_pipeline``)."""
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
-        source: CropSource | GeometrySource
-        if seeds is not None:
-            erase = (self.augment.random_erase, self.crop_size) if self.augment and self.augment.random_erase else None
-            source = CropSource(indices, seeds, self._sizes.get, self.batch_size, self.crop_scale, erase)
-        else:
-            source = GeometrySource(indices, self._sizes.get, self.batch_size, self.val_resize, self.crop_size)
         # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
-        self._sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
+        self.sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         try:
-            pipe = build_pipeline(
-                self.samples.paths(indices), self.samples.labels[indices].tolist(), source,
-                batch_size=self.batch_size, threads=self.threads,
-                device_id=None if self.device is None else self.device.index, crop_size=self.crop_size,
-                dtype=self.dtype, channels_last=self.channels_last, mean=self.mean, std=self.std,
-                hw_decoder_load=self.hw_decoder_load, augment=self.augment, seed=self._seed,
-            )  # fmt: skip
+            pipe = build_pipeline(self, indices, seeds, seed)
             pipe.build()
             return DALIGenericIterator(
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
         except RuntimeError as err:
-            raise _named_error(err, self._window(indices, 0), self.threads) from None
-
-    def _window(self, indices: np.ndarray, batch: int) -> list[str]:
-        """The files of batch ``batch`` of a pass and of the batches DALI may have read beyond it."""
-        return self.samples.paths(indices[batch * self.batch_size : (batch + 1 + _BATCHES_AHEAD) * self.batch_size])
+            raise self._named_error(err, indices, 0) from None
 
     def __iter__(self) -> Iterator[list[Tensor]]:
         if self._active is not None:
@@ -222,14 +185,14 @@ class DALILoader:
 
     def _batches(self) -> Generator[list[Tensor], None, None]:
         """The batches of one pass; an evaluation pipeline that read all its files is rewound for the next."""
-        indices, seeds = self._order()
+        indices, seeds, seed = self._order()
         kept, self._kept = self._kept, None
         source = kept[0] if kept is not None and np.array_equal(kept[1], indices) else None
         del kept  # a pipeline of another order goes before one is built
         if source is None:
             if len(indices) == 0:  # a shard with no samples, or an epoch resumed after its last batch
                 return
-            source = self._build(indices, seeds)
+            source = self._build(indices, seeds, seed)
         total = math.ceil(len(indices) / self.batch_size)
         read = 0
         try:
@@ -245,30 +208,27 @@ class DALILoader:
                     source = None  # the epoch's pipeline goes; the next epoch builds its own
                 yield [images, labels]
         except RuntimeError as err:
-            raise _named_error(err, self._window(indices, read), self.threads) from None
+            raise self._named_error(err, indices, read) from None
+
+    def _named_error(self, err: RuntimeError, indices: np.ndarray, batch: int) -> Exception:
+        """A ``DataError`` naming the file DALI failed on in batch ``batch`` of a pass, or ``err``: DALI's errors may
+        not name it and may come from a batch a few ahead, so the first of their files that PIL fails on is named."""
+        window = self.samples.paths(indices[batch * self.batch_size : (batch + 1 + _BATCHES_AHEAD) * self.batch_size])
+        with ThreadPoolExecutor(max_workers=self.threads) as pool:
+            for found in pool.map(_decode_error, window):
+                if found is not None:
+                    return found
+        message = str(err)
+        for path in window:
+            if path in message:
+                line = next((line for line in message.splitlines() if path in line), "DALI cannot decode it")
+                return undecodable_image(path, re.sub(r"\s+", " ", line.strip()))
+        return err
 
 
-def _named_error(err: RuntimeError, window: list[str], threads: int) -> Exception:
-    """A ``DataError`` naming the file of ``window`` that DALI failed on, or ``err`` when no file is to blame.
-
-    DALI's decoding errors do not name the file and may come from a batch a few ahead: those files are decoded
-    again with PIL, and the first that fails is named.
-    """
-
-    def check(path: str) -> DataError | None:
-        try:
-            load_rgb(path)
-        except DataError as bad:
-            return bad
-        return None
-
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for found in pool.map(check, window):
-            if found is not None:
-                return found
-    message = str(err)
-    for path in window:
-        if path in message:
-            lines = [line.strip() for line in message.splitlines() if path in line]
-            return undecodable_image(path, re.sub(r"\s+", " ", lines[0]) if lines else "DALI cannot decode it")
-    return err
+def _decode_error(path: str) -> DataError | None:
+    try:
+        load_rgb(path)
+    except DataError as bad:
+        return bad
+    return None

@@ -1,20 +1,21 @@
 """The DALI pipeline graph (that of DALI's ResNet-50 example), and the external sources of its crops and sizes.
 
 The crop windows, flips and erased boxes come from the samples' seeds (``lit_imagenet.data.crops``, ``augment``)
-through an external source, so that a resumed epoch cuts the same crops again. Only an auto-augment policy is drawn
+through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment policy is drawn
 in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from lit_imagenet.data.augment import Augment, erase_boxes
+from lit_imagenet.data.augment import erase_boxes
 from lit_imagenet.data.crops import crop_draws, crop_windows, eval_geometry, flips, uniform_draws
 
 # torchvision's RandAugment shifts by up to 150/331 of the image; its policies fill uncovered pixels with black.
@@ -22,53 +23,27 @@ _RA_TRANSLATE = 150 / 331
 _POLICY_FILL = 0
 
 
-class _Source:
-    """An external source: per batch ``i``, the rows of ``indices`` the reader reads, padded like the reader's."""
-
-    def __init__(self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int) -> None:
-        self.indices = indices
-        self.sizes = sizes  # ``(height, width)`` of samples (``images.ImageSizes.get``)
-        self.batch_size = batch_size
-        self.batches = max(1, math.ceil(len(indices) / batch_size))
-
-    def rows(self, iteration: int) -> np.ndarray:
-        start = (iteration % self.batches) * self.batch_size
-        return np.minimum(np.arange(start, start + self.batch_size), len(self.indices) - 1)
+def _rows(iteration: int, count: int, batch_size: int) -> np.ndarray:
+    """The rows of batch ``iteration`` of ``count`` samples, padded as the reader pads; iterations go on over resets."""
+    start = iteration % max(1, math.ceil(count / batch_size)) * batch_size
+    return np.minimum(np.arange(start, start + batch_size), count - 1)
 
 
-class GeometrySource(_Source):
-    """The external source of an evaluation pipeline: each batch's resized sizes and centre crop positions."""
-
-    def __init__(
-        self, indices: np.ndarray, sizes: Callable[[np.ndarray], np.ndarray], batch_size: int, resize: int, crop: int
-    ) -> None:
-        super().__init__(indices, sizes, batch_size)
-        self.resize, self.crop = resize, crop
-
-    def __call__(self, iteration: int) -> tuple[np.ndarray, np.ndarray]:
-        return eval_geometry(self.sizes(self.indices[self.rows(iteration)]), self.resize, self.crop)
-
-
-class CropSource(_Source):
+@dataclass(eq=False)
+class CropSource:
     """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``, and
-    with ``erase`` (``(p, crop side)``) the boxes to erase (``augment.erase_boxes``) as ``fn.erase`` takes them."""
+    with ``erase`` (``(p, crop side)``) the boxes to erase (``augment.erase_boxes``) as ``fn.erase`` takes them.
+    ``sizes``: the ``(height, width)`` of samples (``images.ImageSizes.get``)."""
 
-    def __init__(
-        self,
-        indices: np.ndarray,
-        seeds: np.ndarray,
-        sizes: Callable[[np.ndarray], np.ndarray],
-        batch_size: int,
-        scale: tuple[float, float],
-        erase: tuple[float, int] | None = None,
-    ) -> None:
-        super().__init__(indices, sizes, batch_size)
-        self.seeds = np.asarray(seeds, dtype=np.uint64)
-        self.scale = scale
-        self.erase = erase
+    indices: np.ndarray
+    seeds: np.ndarray
+    sizes: Callable[[np.ndarray], np.ndarray]
+    batch_size: int
+    scale: tuple[float, float]
+    erase: tuple[float, int] | None = None
 
     def __call__(self, iteration: int) -> tuple[np.ndarray, ...]:
-        rows = self.rows(iteration)
+        rows = _rows(iteration, len(self.indices), self.batch_size)
         draws = crop_draws(self.seeds[rows], self.scale)
         box = crop_windows(self.sizes(self.indices[rows]), draws)
         anchor = np.ascontiguousarray(box[:, [1, 0]])  # DALI takes (x, y): left, top
@@ -86,97 +61,80 @@ class CropSource(_Source):
 
 
 def pipeline_seed(seed: int, epoch: int, skipped: int, rank: int) -> int:
-    """The seed of a training pipeline, from which DALI draws the auto-augment policy: fixed by the run's ``seed``,
-    the ``epoch``, the samples of the epoch ``skipped`` by a resume and the process's ``rank``."""
+    """The seed a training pipeline draws its auto-augment policy from: the run's ``seed``, the ``epoch``, the samples
+    of the epoch ``skipped`` by a resume and the process's ``rank``."""
     key = ((((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + skipped) * 1_000_003 + rank) & 0x7FFFFFFFFFFFFFFF
     return int(uniform_draws([key], 1)[0, 0] * 2**31)
 
 
-def _policy(images: Any, augment: Augment, crop_size: int) -> Any:
-    """``augment``'s policy by ``nvidia.dali.auto_aug`` on uint8 HWC crops (the pipeline needs conditionals)."""
+def build_pipeline(loader: Any, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
+    """A DALI pipeline yielding ``(images, labels)`` batches of samples ``indices`` of ``loader`` (a ``DALILoader``), on
+    ``loader.device`` (``None``: the CPU). With their ``seeds`` (training): their crops and flips (``CropSource``),
+    ``loader.augment``'s policy drawn from ``seed`` and its erasing; else resize and centre crop."""
+    from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import rand_augment, trivial_augment
 
-    if augment.policy == "ta_wide":
-        return trivial_augment.trivial_augment_wide(images, fill_value=_POLICY_FILL)
-    if augment.policy == "ra":
-        return rand_augment.rand_augment(
-            images, n=2, m=augment.ra_magnitude, shape=(crop_size, crop_size), fill_value=_POLICY_FILL,
-            max_translate_rel=_RA_TRANSLATE,
-        )  # fmt: skip
-    raise ValueError(f"DALI has no {augment.policy!r} policy")
+    augment, crop_size, batch_size = loader.augment, loader.crop_size, loader.batch_size
+    erase = (augment.random_erase, crop_size) if augment and augment.random_erase else None
+    if seeds is not None:
+        source = CropSource(indices, seeds, loader.sizes.get, batch_size, loader.crop_scale, erase)
+    else:
 
+        def source(iteration: int) -> tuple[np.ndarray, ...]:  # the resized sizes and centre crop positions
+            rows = indices[_rows(iteration, len(indices), batch_size)]
+            return eval_geometry(loader.sizes.get(rows), loader.val_resize, crop_size)
 
-def build_pipeline(
-    files: list[str],
-    labels: list[int],
-    source: CropSource | GeometrySource,
-    *,
-    batch_size: int,
-    threads: int,
-    device_id: int | None,
-    crop_size: int,
-    dtype: torch.dtype,
-    channels_last: bool,
-    mean: Sequence[float],
-    std: Sequence[float],
-    hw_decoder_load: float,
-    augment: Augment | None = None,
-    seed: int = 0,
-) -> Any:
-    """A DALI pipeline yielding ``(images, labels)`` batches of ``files`` in order, cropped as ``source`` says
-    (``CropSource``: resized crops and flips; ``GeometrySource``: centre crops). ``device_id`` ``None``: on the CPU.
-    With ``augment`` (training), its policy drawn from ``seed`` and the erasing of ``source``'s boxes follow the crop.
-    """
-    from nvidia.dali import fn, pipeline_def, types
-
-    cuda = device_id is not None
-    decode_device = "mixed" if cuda else "cpu"
+    files, labels = loader.samples.paths(indices), loader.samples.labels[indices].tolist()
+    cuda = loader.device is not None
     # EXIF orientation is left alone, as PIL and torchvision.io leave it on the other paths.
-    decode_args: dict[str, Any] = {"output_type": types.RGB, "adjust_orientation": False}
+    decode_args = dict(device="mixed" if cuda else "cpu", output_type=types.RGB, adjust_orientation=False)
     if cuda:
-        decode_args["hw_decoder_load"] = hw_decoder_load
+        decode_args["hw_decoder_load"] = loader.hw_decoder_load
+    policy = augment.policy if augment is not None else None
 
-    policy = augment is not None and augment.policy is not None
-    options: dict[str, Any] = {"enable_conditionals": True} if policy else {}  # auto_aug picks its ops by `if`
-
-    # seed: only a policy is drawn in the pipeline, the crops come from the samples' seeds
-    @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=device_id, seed=seed, **options)
+    # seed: only a policy is drawn in the pipeline, with conditionals: auto_aug picks its ops by `if`.
+    @pipeline_def(
+        batch_size=batch_size, num_threads=loader.threads, device_id=loader.device.index if cuda else None, seed=seed,
+        enable_conditionals=policy is not None,
+    )  # fmt: skip
     def pipeline() -> tuple[Any, Any]:
         encoded, label = fn.readers.file(
             files=files, labels=labels, random_shuffle=False, pad_last_batch=True, name="Reader"
         )
         mirror: Any = 0
         crop: dict[str, Any] = {}
-        if isinstance(source, CropSource):
-            erasing = source.erase is not None
+        if seeds is not None:
+            erasing = erase is not None
             outputs = fn.external_source(
                 source=source, num_outputs=5 if erasing else 3, batch=True,
                 dtype=[types.INT32, types.INT32, types.INT32, *([types.FLOAT, types.FLOAT] if erasing else [])],
             )  # fmt: skip
             anchor, box, mirror = outputs[:3]
             images = fn.decoders.image_slice(
-                encoded, anchor, box, normalized_anchor=False, normalized_shape=False, device=decode_device,
-                **decode_args,
-            )  # fmt: skip
+                encoded, anchor, box, normalized_anchor=False, normalized_shape=False, **decode_args
+            )
             images = fn.resize(images, resize_x=crop_size, resize_y=crop_size, antialias=True)
-            if augment is not None and augment.policy is not None:
-                images = _policy(images, augment, crop_size)
-            if erasing and augment is not None:  # a 0 x 0 box erases nothing
+            if policy == "ta_wide":  # on uint8 HWC crops
+                images = trivial_augment.trivial_augment_wide(images, fill_value=_POLICY_FILL)
+            elif policy == "ra":
+                images = rand_augment.rand_augment(
+                    images, n=2, m=augment.ra_magnitude, shape=(crop_size, crop_size), fill_value=_POLICY_FILL,
+                    max_translate_rel=_RA_TRANSLATE,
+                )  # fmt: skip
+            if erasing:  # a 0 x 0 box erases nothing
                 fill = list(augment.fill)
                 images = fn.erase(images, anchor=outputs[3], shape=outputs[4], axis_names="HW", fill_value=fill)
         else:
-            images = fn.decoders.image(encoded, device=decode_device, **decode_args)
-            resized, position = fn.external_source(
-                source=source, num_outputs=2, batch=True, dtype=[types.FLOAT, types.FLOAT]
-            )
+            images = fn.decoders.image(encoded, **decode_args)
+            resized, position = fn.external_source(source=source, num_outputs=2, batch=True, dtype=[types.FLOAT] * 2)
             images = fn.resize(images, resize_x=resized[0], resize_y=resized[1], antialias=True)
             crop = {"crop": (crop_size, crop_size), "crop_pos_x": position[0], "crop_pos_y": position[1]}
         images = fn.crop_mirror_normalize(
             images,
-            dtype=types.FLOAT16 if dtype == torch.float16 else types.FLOAT,
-            output_layout="HWC" if channels_last else "CHW",
-            mean=[255 * m for m in mean],
-            std=[255 * s for s in std],
+            dtype=types.FLOAT16 if loader.dtype == torch.float16 else types.FLOAT,
+            output_layout="HWC" if loader.channels_last else "CHW",
+            mean=[255 * m for m in loader.mean],
+            std=[255 * s for s in loader.std],
             mirror=mirror,
             **crop,
         )
