@@ -53,16 +53,6 @@ def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int
         _walk(os.path.join(folder, name), os.path.join(relative, name), names, folders)
 
 
-def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
-    names: list[bytes] = []
-    folders: dict[str, int] = {}
-    folder = os.path.join(split_dir, name)
-    _walk(folder, name, names, folders)
-    if not names:
-        raise DataError(f"Class folder {folder} holds no images; add images or remove the folder.")
-    return names, folders
-
-
 def scan_split(split_dir: str | Path) -> Scan:
     """The class names of an ImageFolder split, its samples and the times of its folders.
 
@@ -80,28 +70,24 @@ def scan_split(split_dir: str | Path) -> Scan:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
     names: list[bytes] = []
     counts = []
-    for class_names, class_folders in (_walk_class(str(split_dir), name) for name in classes):
-        names += class_names
-        folders.update(class_folders)
-        counts.append(len(class_names))
-    offsets = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)), out=offsets[1:])
-    blob = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
+    for name in classes:
+        count = len(names)
+        _walk(os.path.join(split_dir, name), name, names, folders)
+        if len(names) == count:
+            raise DataError(f"Class folder {split_dir / name} holds no images; add images or remove the folder.")
+        counts.append(len(names) - count)
     labels = np.repeat(np.arange(len(classes), dtype=np.int32), counts)
-    return Scan(classes, SampleTable(split_dir, blob, offsets, labels), folders, started)
+    return Scan(classes, SampleTable.from_names(split_dir, names, labels), folders, started)
 
 
 def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, other: Sequence[str]) -> None:
     """Refuses two splits whose class folders differ: their label indices would not match."""
     if list(train) == list(other):
         return
-    only_train = sorted(set(train) - set(other))
-    only_other = sorted(set(other) - set(train))
     parts = []
-    if only_train:
-        parts.append(f"only in {train_dir}: {', '.join(only_train[:10])}{' ...' if len(only_train) > 10 else ''}")
-    if only_other:
-        parts.append(f"only in {other_dir}: {', '.join(only_other[:10])}{' ...' if len(only_other) > 10 else ''}")
+    for folder, only in ((train_dir, sorted(set(train) - set(other))), (other_dir, sorted(set(other) - set(train)))):
+        if only:
+            parts.append(f"only in {folder}: {', '.join(only[:10])}{' ...' if len(only) > 10 else ''}")
     raise DataError(
         f"{train_dir} and {other_dir} have different class folders ({'; '.join(parts)}); "
         "both splits need the same class folders."
@@ -141,5 +127,4 @@ def scan_predict(folder: Path) -> SampleTable:
     _walk(str(folder), "", names, {})
     if not names:
         raise DataError(f"Prediction folder {folder} holds no images.")
-    # The names are relative to the folder, which the table joins to each of them.
-    return SampleTable.from_pairs(folder, [(os.fsdecode(n), i) for i, n in enumerate(names)])
+    return SampleTable.from_names(folder, names, range(len(names)))

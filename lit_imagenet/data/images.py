@@ -6,7 +6,6 @@ import io
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -17,8 +16,6 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable
 from lit_imagenet.errors import DataError, undecodable_image
-
-JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def load_rgb(path: str) -> Image.Image:
@@ -46,11 +43,8 @@ def load_rgb_tensor(path: str) -> Tensor:
 def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
     """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
 
-    def check(path: str) -> None:
-        load_rgb(path)
-
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for _ in pool.map(check, paths):
+        for _ in pool.map(load_rgb, paths):  # each image dropped once decoded
             pass
 
 
@@ -74,23 +68,10 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
     return img
 
 
-def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image held in memory."""
-    return _header_size(io.BytesIO(data.numpy().tobytes()), path)
-
-
-def image_size(path: str) -> tuple[int, int]:
-    """``(height, width)`` of an image file, from its header: EXIF orientation is not applied."""
+def image_size(path: str, data: Tensor | None = None) -> tuple[int, int]:
+    """``(height, width)`` from the header of an image file, or of its bytes ``data``; EXIF orientation not applied."""
     try:
-        with open(path, "rb") as f:
-            return _header_size(f, path)
-    except OSError as err:
-        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
-
-
-def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
-    try:
-        with Image.open(stream) as img:  # reads the header alone
+        with Image.open(path if data is None else io.BytesIO(data.numpy().tobytes())) as img:  # reads the header
             width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
@@ -172,4 +153,4 @@ class ImageSizes:
 
 def gpu_decodable(data: Tensor) -> bool:
     """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
-    return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
+    return data.numel() > 3 and bytes(data[:3].tolist()) == b"\xff\xd8\xff"

@@ -1,8 +1,6 @@
-"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): the workers read the bytes and draw the crops.
-
-Workers collate bytes and crops into an ``EncodedBatch``, which ``decode`` turns into uint8 images on the device.
-Images left to the workers by ``gpu_share``, and files nvJPEG cannot read, are decoded by the workers.
-"""
+"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): workers read the bytes and draw the crops into an
+``EncodedBatch``, which ``decode`` turns into uint8 images on the device. Images left to the workers by ``gpu_share``,
+and files nvJPEG cannot read, are decoded by the workers."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from torchvision.transforms import v2
 from lit_imagenet.data.augment import Augment, apply_policy, erase_boxes, policy_transform
 from lit_imagenet.data.crops import CropBox, center_crop_box, crop_and_flip
 from lit_imagenet.data.datasets import ImageFolderDataset
-from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, jpeg_size, load_rgb_tensor, read_bytes
+from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, image_size, load_rgb_tensor, read_bytes
 
 
 class EncodedImage(NamedTuple):
@@ -52,10 +50,8 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         transform: The CPU transform for the images decoded here (for training, with ``augment`` applied).
         samples, train, crop_size, crop_scale, val_resize: As in ``DALILoader``.
         gpu_share: Fraction of the images decoded on the GPU.
-        augment: Training only: the augmentations of the images decoded on the GPU, applied there by
-            ``transforms.v2`` to the crop from the sample's seed (``augment.augment_image``), as the workers apply
-            them to the rest: a seed gets the same draws on either side, except AugMix's mixing weights, which
-            torch draws on the GPU's generator for GPU tensors.
+        augment: Training only: the augmentations of the images decoded on the GPU, from each sample's seed as on
+            the workers (but for AugMix's mixing weights, which torch draws on the GPU's generator).
     """
 
     def __init__(
@@ -85,16 +81,16 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         data = read_bytes(path)
         if not gpu_decodable(data):
             return super().__getitem__(item)
-        height, width = jpeg_size(data, path)
+        height, width = image_size(path, data)
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        if self.augment is None:
-            box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
-            return EncodedImage(data, box, self.crop_size, flip, path), target
-        if seed is None:  # as crop_and_flip draws it: the crop and the augmentation share it
+        if (
+            self.augment is not None and seed is None
+        ):  # as crop_and_flip draws it: the crop and the augmentation share it
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        box, flip = crop_and_flip(height, width, seed, self.crop_scale)
+        box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
+        seed = seed if self.augment is not None else None
         return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
 
 
@@ -105,11 +101,9 @@ def _policy(augment: Augment) -> v2.Transform | None:
 
 @dataclass(frozen=True)
 class GPUAugment:
-    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``.
-
-    Kept apart from ``decode`` so that the prefetcher's decode thread leaves it to the training thread: the policy
-    seeds torch's process-wide generators, which that thread draws from meanwhile.
-    """
+    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``. Apart
+    from ``decode``, so that the prefetcher's decode thread leaves it to the training thread: the policy seeds torch's
+    process-wide generators, which that thread draws from meanwhile."""
 
     positions: list[int]
     seeds: list[int]
@@ -142,18 +136,14 @@ class GPUAugment:
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
-    The encoded files lie end to end in ``blob``: a tensor per image would hold a shared-memory file descriptor each.
-
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
-        blob: uint8, the encoded files one after the other; ``lengths``: their sizes in bytes.
-        crops: For each of them: the crop box, whether to mirror it, and its path.
+        blob: uint8, the encoded files end to end (a tensor each would hold a shared-memory file descriptor each);
+            ``lengths``: their sizes in bytes; ``crops``: each one's crop box, whether to mirror it, and its path.
         encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
         decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented) already (or ``None``).
-        size: The side ``S`` of the output images.
-        memory_format: Of the output batch.
-        seeds: The augmentation seeds of the encoded images, when ``augment`` is given.
-        augment: The training augmentations of the encoded images, or ``None``.
+        size: The side ``S`` of the output images; ``memory_format``: that of the output batch.
+        seeds, augment: The encoded images' augmentation seeds and their augmentations, or ``[]`` and ``None``.
     """
 
     targets: Tensor
@@ -199,11 +189,8 @@ class EncodedBatch:
         )
 
     def decode(self, device: torch.device | str, augment: bool = True) -> list[Tensor]:
-        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there, and with
-        ``augment`` augmented there (``gpu_augment``; else left to the caller).
-
-        Raises:
-            DataError: An image cannot be decoded; the message names the file.
+        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``, the JPEGs decoded there, and with
+        ``augment`` augmented there (``gpu_augment``; else left to the caller). Raises ``DataError`` naming a bad file.
         """
         device = torch.device(device)
         side = [self.size, self.size]

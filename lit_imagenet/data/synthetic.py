@@ -142,10 +142,10 @@ class SyntheticDataModule(pl.LightningDataModule):
         self,
         batch_size: int = 256,
         crop_size: int = 224,
+        channels_last: bool | None = None,
         num_classes: int = 1000,
         train_steps: int = 100,
         val_steps: int = 2,
-        channels_last: bool | None = None,
     ) -> None:
         super().__init__()
         if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
