@@ -1,10 +1,8 @@
-"""torchvision's recipe's training augmentations: an auto-augment policy and random erasing, from a sample's seed.
+"""torchvision's recipe's training augmentations, from a sample's seed: an auto-augment policy, then random erasing.
 
-Every decoder applies them to the uint8 crop, after the crop and flip and before normalisation: the policy first, then
-the erasing. The erased box is drawn from the sample's seed with numpy (``erase_boxes``), so every decoder erases the
-same pixels for a seed; it is filled with the normalisation mean, which is 0 once normalised, as torchvision's
-``RandomErasing`` after ``Normalize`` fills it. The policy is ``torchvision.transforms.v2``'s on the CPU decoders and
-on nvJPEG, drawn from torch's generator seeded by the sample's seed (``augment_image``); DALI draws its own.
+Every decoder erases the same box for a seed (``erase_boxes``), filled with the normalisation mean (0 once normalised,
+as torchvision's ``RandomErasing`` after ``Normalize``). The policy is ``transforms.v2``'s, drawn from torch's generator
+seeded by the sample's seed, except on DALI, which draws its own.
 """
 
 from __future__ import annotations
@@ -132,17 +130,6 @@ def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
         return transform(img)
 
 
-def erase(img: Tensor, box: Sequence[int], fill: Sequence[int]) -> Tensor:
-    """A uint8 ``(C, H, W)`` image with ``box`` (``top, left, height, width``) set to ``fill``; a 0 x 0 box keeps it."""
-    top, left, height, width = (int(v) for v in box)
-    if height == 0 or width == 0:
-        return img
-    img = img.clone()
-    colour = torch.tensor(fill, dtype=img.dtype, device=img.device)
-    img[:, top : top + height, left : left + width] = colour[:, None, None]
-    return img
-
-
 def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Transform | None = None) -> Any:
     """A training crop (a PIL image or a uint8 ``(C, H, W)`` tensor, on any device) with ``augment`` applied from
     the sample's ``seed``. A PIL image comes back as one unless it is erased, then as a uint8 tensor.
@@ -155,8 +142,8 @@ def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Tr
     if augment.random_erase > 0:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        if not isinstance(img, Tensor):
-            img = F.pil_to_tensor(img)
-        height, width = img.shape[-2:]
-        img = erase(img, erase_boxes([seed], height, width, augment.random_erase)[0].tolist(), augment.fill)
+        img = img.clone() if isinstance(img, Tensor) else F.pil_to_tensor(img)
+        top, left, height, width = erase_boxes([seed], *img.shape[-2:], augment.random_erase)[0].tolist()
+        colour = torch.tensor(augment.fill, dtype=img.dtype, device=img.device)
+        img[:, top : top + height, left : left + width] = colour[:, None, None]  # a 0 x 0 box keeps the image
     return img

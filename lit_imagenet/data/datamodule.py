@@ -58,8 +58,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/``, ``val/`` (and optionally ``test/``), each with one sub-folder per class.
         batch_size: Images per batch in each process.
         workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
-        crop_size: Side of the square centre crops of evaluation (and of training's crops unless
-            ``train_crop_size``).
+        crop_size: Side of the square evaluation crops (and of the training crops unless ``train_crop_size``).
         val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
         channels_last: Collate batches in channels_last memory format. ``None``: on a CUDA device.
@@ -74,8 +73,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of JPEGs sent to the hardware decoder.
         seed: Seed of the training order and augmentation. ``None``: ``--seed_everything``; resuming keeps it.
         index: Keep each split's file list in an index file; a split whose folders changed is scanned again.
-        index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
-            ``~/.cache/lit_imagenet/index``).
+        index_dir: The index files' folder. ``None``: ``$LIT_IMAGENET_CACHE/index`` or ``~/.cache/lit_imagenet/index``.
         dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's cores, 2-8.
         persistent_eval_workers: Keep the validation, test and predict loader workers between passes.
         train_crop_size: Side of the square training crops (FixRes: train at 176, evaluate at ``val_resize`` 232 and
@@ -84,13 +82,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
             (RandAugment) or ``augmix`` (AugMix), torchvision's, bilinear. ``None``: none.
         ra_magnitude: RandAugment's magnitude (0-30) with ``auto_augment: ra``.
         augmix_severity: AugMix's severity (1-10) with ``auto_augment: augmix``.
-        random_erase: Probability that a training crop gets a random box filled with the normalisation mean
-            (torchvision's ``RandomErasing``, after the policy).
-        ra_reps: Repeated augmentation: each epoch shows ``1 / ra_reps`` of the training images, each ``ra_reps``
-            times with different augmentations on different processes; an epoch keeps the split's length. 1: off.
-
-    Every decoder draws the crop, flip and erased box of a sample from its seed alike; DALI draws its policy from its
-    own generator, the others from torch's seeded by the sample's seed.
+        random_erase: Probability of torchvision's ``RandomErasing`` of a training crop, after the policy.
+        ra_reps: Repeated augmentation: an epoch shows ``1 / ra_reps`` of the training images ``ra_reps`` times each,
+            differently augmented on different processes; an epoch keeps the split's length. 1: off.
     """
 
     def __init__(

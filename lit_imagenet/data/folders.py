@@ -18,25 +18,13 @@ from lit_imagenet.errors import DataError, undecodable_image
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-def _is_hidden(name: str) -> bool:
-    return name.startswith(".")
-
-
 def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
     """Appends the non-hidden images under ``folder`` to ``names`` (sorted) and folder times to ``folders``."""
     folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
-    files, subfolders = [], []
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if _is_hidden(entry.name):
-                continue
-            if entry.is_dir():  # follows links, as the other decoders' readers do
-                subfolders.append(entry.name)
-            else:
-                files.append(entry)
-    files.sort(key=lambda e: e.name)
-    for entry in files:
-        path = os.path.join(folder, entry.name)
+    with os.scandir(folder) as scan:
+        entries = sorted((e for e in scan if not e.name.startswith(".")), key=lambda e: e.name)
+    for entry in (e for e in entries if not e.is_dir()):  # is_dir follows links, as the decoders' readers do
+        path = entry.path
         if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
             raise DataError(
                 f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
@@ -49,8 +37,8 @@ def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int
         if size == 0:
             raise undecodable_image(path, "an empty file: 0 bytes")
         names.append(os.fsencode(os.path.join(relative, entry.name)))
-    for name in sorted(subfolders):
-        _walk(os.path.join(folder, name), os.path.join(relative, name), names, folders)
+    for entry in (e for e in entries if e.is_dir()):
+        _walk(entry.path, os.path.join(relative, entry.name), names, folders)
 
 
 def scan_split(split_dir: str | Path) -> Scan:
@@ -65,7 +53,7 @@ def scan_split(split_dir: str | Path) -> Scan:
     if not split_dir.is_dir():
         raise DataError(f"Data folder {split_dir} does not exist; create it with one sub-folder of images per class.")
     folders = {".": os.stat(split_dir).st_mtime_ns}
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
     names: list[bytes] = []
@@ -103,12 +91,9 @@ def scan_root(root: Path, index_dir: Path | None = None) -> tuple[list[str], dic
     """
     if not root.is_dir():
         raise DataError(f"Data root {root} does not exist; point --data.root at a folder with train/ and val/.")
-    splits: dict[str, SampleTable] = {}
     train = cached_scan(root / "train", index_dir, scan_split)
-    splits["train"] = train.samples
-    for split in ("val", "test"):
-        if split == "test" and not (root / split).is_dir():
-            continue
+    splits = {"train": train.samples}
+    for split in ("val", "test") if (root / "test").is_dir() else ("val",):
         other = cached_scan(root / split, index_dir, scan_split)
         check_same_classes(root / "train", train.classes, root / split, other.classes)
         splits[split] = other.samples

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,6 @@ def load_rgb_tensor(path: str) -> Tensor:
 
 def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
     """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
-
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         for _ in pool.map(load_rgb, paths):  # each image dropped once decoded
             pass
@@ -89,10 +89,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
             indices = self.order[start : start + self.chunk]
             sizes = np.zeros((len(indices), 2), dtype=np.int32)
             for k, path in enumerate(self.samples.paths(indices)):
-                try:
+                with contextlib.suppress(DataError):  # left 0: read again by ``get``, which raises
                     sizes[k] = image_size(path)
-                except DataError:
-                    pass
             yield indices, sizes
 
 
@@ -101,9 +99,6 @@ class ImageSizes:
 
     ``read_ahead`` has a loader worker process read the headers of an order of samples, ``AHEAD`` chunks ahead of
     the chunks ``get`` takes from it, so that the training process does not wait on them.
-
-    Args:
-        samples: ``(path, label)`` samples (a ``SampleTable``).
     """
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.

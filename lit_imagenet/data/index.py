@@ -7,7 +7,6 @@ The index keeps each scanned folder's modification time: an entry added, removed
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -16,7 +15,6 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
@@ -46,7 +44,7 @@ class SampleTable(Sequence[tuple[str, int]]):
         self.names = names
         self.offsets = offsets
         self.labels = labels
-        self._ascii: str | None = None  # the names as one string, if they are ASCII
+        self._blob: bytes | None = None  # the names as bytes, for ``paths``: slicing bytes beats slicing the array
 
     @classmethod
     def from_names(cls, root: str | os.PathLike[str], names: Sequence[bytes], labels: Iterable[int]) -> SampleTable:
@@ -74,11 +72,8 @@ class SampleTable(Sequence[tuple[str, int]]):
 
     def __getitem__(self, index: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of {len(self)}")
+            return [self[i] for i in range(len(self))[index]]
+        index = range(len(self))[index]  # negative from the end; IndexError out of range
         return self.path(index), int(self.labels[index])
 
     @staticmethod
@@ -96,23 +91,14 @@ class SampleTable(Sequence[tuple[str, int]]):
         where = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
         starts, ends = self.offsets[where].tolist(), self.offsets[where + 1].tolist()
         prefix = os.path.join(self.root, "") if self.root else ""
-        if self._ascii is None:
-            self._ascii = self.names.tobytes().decode("ascii") if not (self.names >= 128).any() else ""
-        if self._ascii:  # byte offsets are character offsets
-            text = self._ascii
-            return [prefix + text[a:b] for a, b in zip(starts, ends)]
-        blob = self.names.tobytes()
-        return [prefix + os.fsdecode(blob[a:b]) for a, b in zip(starts, ends)]
+        self._blob = self.names.tobytes() if self._blob is None else self._blob
+        return [prefix + os.fsdecode(self._blob[a:b]) for a, b in zip(starts, ends)]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleTable):
             return NotImplemented
-        return (
-            self.root == other.root
-            and np.array_equal(self.offsets, other.offsets)
-            and np.array_equal(self.names, other.names)
-            and np.array_equal(self.labels, other.labels)
-        )
+        arrays = ("offsets", "names", "labels")
+        return self.root == other.root and all(np.array_equal(getattr(self, a), getattr(other, a)) for a in arrays)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r}, {len(self)} samples)"
@@ -202,7 +188,7 @@ def read_index(path: str | os.PathLike[str], split_dir: str | os.PathLike[str]) 
     return Scan(classes, table, folders, started_ns=0)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``path`` (created if need be), where the file system has locks; else none."""
     try:
@@ -212,11 +198,8 @@ def _locked(path: Path) -> Iterator[None]:
         yield
         return
     with f:
-        try:
+        with contextlib.suppress(OSError):  # a file system without locks: go on without
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks: go on without
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
         yield
 
 
@@ -241,7 +224,7 @@ def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], 
             return read_index(path, split_dir)
         except StaleIndex:
             pass
-        except (CorruptIndex, OSError) as err:
+        except CorruptIndex as err:
             damaged = err
         found = scan(split_dir)
         if found.racy():

@@ -164,13 +164,12 @@ class EncodedBatch:
     @property
     def encoded(self) -> list[EncodedImage]:
         """The images to decode on the device, their bytes as slices of ``blob``."""
-        out, start = [], 0
         seeds: list[int | None] = list(self.seeds) if self.augment is not None else [None] * len(self.crops)
-        for (box, flip, path), length, seed in zip(self.crops, self.lengths, seeds):
-            augment = self.augment if seed is not None else None
-            out.append(EncodedImage(self.blob[start : start + length], box, self.size, flip, path, seed, augment))
-            start += length
-        return out
+        parts = zip(self.blob.split(self.lengths), self.crops, seeds)
+        return [
+            EncodedImage(data, box, self.size, flip, path, seed, self.augment)
+            for data, (box, flip, path), seed in parts
+        ]
 
     @property
     def gpu_augment(self) -> GPUAugment | None:
