@@ -65,8 +65,7 @@ class Augment:
     @staticmethod
     def fill_of(mean: Sequence[float]) -> tuple[int, int, int]:
         """The uint8 colour of a normalisation ``mean`` of images in [0, 1]."""
-        r, g, b = (int(round(255 * m)) for m in mean)
-        return r, g, b
+        return tuple(int(round(255 * m)) for m in mean)  # type: ignore[return-value]
 
 
 def policy_transform(augment: Augment) -> v2.Transform | None:
@@ -110,32 +109,25 @@ def erase_boxes(
     return box.astype(np.int32)
 
 
-def policy_seed(seed: int) -> int:
-    """The seed of torch's generator for the policy of the sample with augmentation ``seed``."""
-    return (int(seed) ^ _POLICY_SALT) & 0x7FFFFFFFFFFFFFFF
-
-
 def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
     """``transform(img)`` drawn from torch's generator seeded by ``seed`` (``None``: the generator as it is), on
     the CPU and, for a CUDA tensor, its device; the process's generators are left as they were."""
     if seed is None:
         return transform(img)
     cuda = isinstance(img, Tensor) and img.is_cuda
+    seed = (int(seed) ^ _POLICY_SALT) & 0x7FFFFFFFFFFFFFFF  # the policy's draws apart from the crop's
     with torch.random.fork_rng(devices=[img.device] if cuda else []):
         # Only the generators that are restored: torch.manual_seed would reseed every CUDA device for good.
-        torch.default_generator.manual_seed(policy_seed(seed))
+        torch.default_generator.manual_seed(seed)
         if cuda:
             with torch.cuda.device(img.device):
-                torch.cuda.manual_seed(policy_seed(seed))
+                torch.cuda.manual_seed(seed)
         return transform(img)
 
 
 def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Transform | None = None) -> Any:
     """A training crop (a PIL image or a uint8 ``(C, H, W)`` tensor, on any device) with ``augment`` applied from
-    the sample's ``seed``. A PIL image comes back as one unless it is erased, then as a uint8 tensor.
-
-    Args:
-        transform: ``policy_transform(augment)``, made once by the caller.
+    the sample's ``seed`` (a PIL image comes back as one unless erased); ``transform``: ``policy_transform(augment)``.
     """
     if transform is not None:
         img = apply_policy(transform, img, seed)

@@ -245,9 +245,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return torch.channels_last if use else torch.contiguous_format
 
     def _data_seed(self) -> int:
-        if self.seed is not None:
-            return self.seed
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
+        # PL_GLOBAL_SEED: set by seed_everything (--seed_everything).
+        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
         decoder, samples, device = self.decoder_in_use(), self.samples(split), self._device()
@@ -283,9 +282,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
     def _batch_limit(self, stage: str) -> int | None:
         """The batches Lightning reads of an evaluation stage (``--trainer.limit_*_batches``), None for all."""
         limit = getattr(self.trainer, f"limit_{stage}_batches", None) if self.trainer is not None else None
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit
-        return None  # a fraction (1.0: all) is applied by Lightning to the loader's length
+        # A fraction (1.0: all) Lightning applies to the loader's length.
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""

@@ -31,12 +31,9 @@ def load_rgb(path: str) -> Image.Image:
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
 
 
-_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
-
-
 def load_rgb_tensor(path: str) -> Tensor:
     """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats)."""
-    if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
+    if Path(path).suffix.lower() not in (".jpg", ".jpeg", ".png", ".webp"):
         return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
     return decode_rgb_bytes(read_bytes(path), path)
 

@@ -85,9 +85,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        if (
-            self.augment is not None and seed is None
-        ):  # as crop_and_flip draws it: the crop and the augmentation share it
+        if self.augment is not None and seed is None:  # drawn as crop_and_flip would: the augmentation shares it
             seed = int(torch.randint(0, 2**62, (1,)).item())
         box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
         seed = seed if self.augment is not None else None
@@ -238,9 +236,8 @@ def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[in
 
 def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:
     """Decodes all images in one batched call; if that fails, one by one, to name the bad file."""
-    data = [item.data for item in items]
     try:
-        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        return list(decode_jpeg([item.data for item in items], mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
         pass
     out = []

@@ -32,8 +32,7 @@ def epoch_samples(size: int, seed: int, epoch: int, reps: int = 1) -> tuple[np.n
     The permutation is fixed by ``seed + epoch // reps``; with ``reps`` above 1, the epoch takes its ``epoch % reps``-th
     run of ``ceil(size / reps)`` samples, each ``reps`` times in a row, so ``reps`` epochs see the whole dataset.
     """
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch // reps)
+    generator = torch.Generator().manual_seed(seed + epoch // reps)
     perm = torch.randperm(size, generator=generator).numpy()
     if reps == 1:
         return perm, np.zeros(size, dtype=np.int64)
@@ -115,12 +114,9 @@ class EpochSeededSampler(DistributedSampler):
         return indices, seeds
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        return _pairs(*self.next_pass())
-
-
-def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterator[tuple[int, int]]:
-    for start in range(0, len(indices), chunk):
-        yield from zip(indices[start : start + chunk].tolist(), seeds[start : start + chunk].tolist())
+        indices, seeds = self.next_pass()
+        chunks = range(0, len(indices), 4096)  # Python ints a chunk at a time, not an epoch's at once
+        return (pair for a in chunks for pair in zip(indices[a : a + 4096].tolist(), seeds[a : a + 4096].tolist()))
 
 
 def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
