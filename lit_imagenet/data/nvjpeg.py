@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import v2
 
 from lit_imagenet.data.augment import Augment, apply_policy, erase_boxes, policy_transform
 from lit_imagenet.data.crops import CropBox, center_crop_box, crop_and_flip
@@ -92,9 +91,7 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
 
 
-@functools.cache
-def _policy(augment: Augment) -> v2.Transform | None:
-    return policy_transform(augment)
+_policy = functools.cache(policy_transform)  # one transform per ``Augment``, not one per batch
 
 
 @dataclass(frozen=True)

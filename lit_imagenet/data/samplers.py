@@ -126,9 +126,7 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
         return trainer.current_epoch, 0
     epoch = max(loop.epoch_progress.current.started - 1, 0)
     done = compat.epoch_batches_done(trainer)
-    if done >= batches_per_epoch:
-        return epoch + 1, 0
-    return epoch, done
+    return (epoch + 1, 0) if done >= batches_per_epoch else (epoch, done)
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
