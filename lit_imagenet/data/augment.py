@@ -1,10 +1,8 @@
-"""torchvision's recipe's training augmentations: an auto-augment policy and random erasing, from a sample's seed.
+"""torchvision's recipe's training augmentations, from a sample's seed: an auto-augment policy, then random erasing.
 
-Every decoder applies them to the uint8 crop, after the crop and flip and before normalisation: the policy first, then
-the erasing. The erased box is drawn from the sample's seed with numpy (``erase_boxes``), so every decoder erases the
-same pixels for a seed; it is filled with the normalisation mean, which is 0 once normalised, as torchvision's
-``RandomErasing`` after ``Normalize`` fills it. The policy is ``torchvision.transforms.v2``'s on the CPU decoders and
-on nvJPEG, drawn from torch's generator seeded by the sample's seed (``augment_image``); DALI draws its own.
+Every decoder erases the same box for a seed (``erase_boxes``), filled with the normalisation mean (0 once normalised,
+as torchvision's ``RandomErasing`` after ``Normalize``). The policy is ``transforms.v2``'s, drawn from torch's generator
+seeded by the sample's seed, except on DALI, which draws its own.
 """
 
 from __future__ import annotations
@@ -67,8 +65,7 @@ class Augment:
     @staticmethod
     def fill_of(mean: Sequence[float]) -> tuple[int, int, int]:
         """The uint8 colour of a normalisation ``mean`` of images in [0, 1]."""
-        r, g, b = (int(round(255 * m)) for m in mean)
-        return r, g, b
+        return tuple(int(round(255 * m)) for m in mean)  # type: ignore[return-value]
 
 
 def policy_transform(augment: Augment) -> v2.Transform | None:
@@ -112,51 +109,33 @@ def erase_boxes(
     return box.astype(np.int32)
 
 
-def policy_seed(seed: int) -> int:
-    """The seed of torch's generator for the policy of the sample with augmentation ``seed``."""
-    return (int(seed) ^ _POLICY_SALT) & 0x7FFFFFFFFFFFFFFF
-
-
 def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
     """``transform(img)`` drawn from torch's generator seeded by ``seed`` (``None``: the generator as it is), on
     the CPU and, for a CUDA tensor, its device; the process's generators are left as they were."""
     if seed is None:
         return transform(img)
     cuda = isinstance(img, Tensor) and img.is_cuda
+    seed = (int(seed) ^ _POLICY_SALT) & 0x7FFFFFFFFFFFFFFF  # the policy's draws apart from the crop's
     with torch.random.fork_rng(devices=[img.device] if cuda else []):
         # Only the generators that are restored: torch.manual_seed would reseed every CUDA device for good.
-        torch.default_generator.manual_seed(policy_seed(seed))
+        torch.default_generator.manual_seed(seed)
         if cuda:
             with torch.cuda.device(img.device):
-                torch.cuda.manual_seed(policy_seed(seed))
+                torch.cuda.manual_seed(seed)
         return transform(img)
-
-
-def erase(img: Tensor, box: Sequence[int], fill: Sequence[int]) -> Tensor:
-    """A uint8 ``(C, H, W)`` image with ``box`` (``top, left, height, width``) set to ``fill``; a 0 x 0 box keeps it."""
-    top, left, height, width = (int(v) for v in box)
-    if height == 0 or width == 0:
-        return img
-    img = img.clone()
-    colour = torch.tensor(fill, dtype=img.dtype, device=img.device)
-    img[:, top : top + height, left : left + width] = colour[:, None, None]
-    return img
 
 
 def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Transform | None = None) -> Any:
     """A training crop (a PIL image or a uint8 ``(C, H, W)`` tensor, on any device) with ``augment`` applied from
-    the sample's ``seed``. A PIL image comes back as one unless it is erased, then as a uint8 tensor.
-
-    Args:
-        transform: ``policy_transform(augment)``, made once by the caller.
+    the sample's ``seed`` (a PIL image comes back as one unless erased); ``transform``: ``policy_transform(augment)``.
     """
     if transform is not None:
         img = apply_policy(transform, img, seed)
     if augment.random_erase > 0:
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        if not isinstance(img, Tensor):
-            img = F.pil_to_tensor(img)
-        height, width = img.shape[-2:]
-        img = erase(img, erase_boxes([seed], height, width, augment.random_erase)[0].tolist(), augment.fill)
+        img = img.clone() if isinstance(img, Tensor) else F.pil_to_tensor(img)
+        top, left, height, width = erase_boxes([seed], *img.shape[-2:], augment.random_erase)[0].tolist()
+        colour = torch.tensor(augment.fill, dtype=img.dtype, device=img.device)
+        img[:, top : top + height, left : left + width] = colour[:, None, None]  # a 0 x 0 box keeps the image
     return img

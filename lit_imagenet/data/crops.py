@@ -40,10 +40,8 @@ def uniform_draws(seeds: Sequence[int] | np.ndarray, count: int, first: int = 0)
 def crop_draws(
     seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
 ) -> np.ndarray:
-    """Per sample, the random numbers of its crop and flip, fixed by its augmentation seed (``uniform_draws``): a
-    float64 ``(N, 23)`` array of ten area fractions in ``scale``, ten aspect ratios (width / height) drawn
-    log-uniformly in ``ratio``, then uniform numbers in [0, 1) for the top, the left and the flip (mirrored below
-    0.5)."""
+    """Per sample, from its seed (``uniform_draws``), a float64 ``(N, 23)`` array: ten area fractions in ``scale``, ten
+    log-uniform aspect ratios (width / height) in ``ratio``, then uniforms for the top, the left and the flip."""
     u = uniform_draws(seeds, _DRAWS)
     t = CROP_TRIES
     out = u.copy()

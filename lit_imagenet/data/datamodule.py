@@ -11,9 +11,7 @@ from typing import Any, Literal
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DistributedSampler
 
-from lit_imagenet.data import presets
 from lit_imagenet.data.augment import Augment, Policy
 from lit_imagenet.data.dali import HW_DECODER_LOAD, DALILoader, batch_dtype, dali_install_command, import_dali
 from lit_imagenet.data.datasets import ImageFolderDataset, collate_uint8
@@ -22,7 +20,7 @@ from lit_imagenet.data.images import load_rgb, load_rgb_tensor, verify_image_fil
 from lit_imagenet.data.index import SampleTable, default_index_dir
 from lit_imagenet.data.nvjpeg import EncodedBatch, EncodedImageFolderDataset, collate_encoded
 from lit_imagenet.data.prefetch import PrefetchLoader
-from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
+from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, TrainCrop, eval_transform
 from lit_imagenet.data.samplers import split_sampler
 from lit_imagenet.errors import ConfigError, DataError
 
@@ -60,8 +58,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         root: Folder holding ``train/``, ``val/`` (and optionally ``test/``), each with one sub-folder per class.
         batch_size: Images per batch in each process.
         workers: Loader worker processes per training process (``pil``, ``torchvision``, ``nvjpeg``).
-        crop_size: Side of the square centre crops of evaluation (and of training's crops unless
-            ``train_crop_size``).
+        crop_size: Side of the square evaluation crops (and of the training crops unless ``train_crop_size``).
         val_resize: Short side validation images are resized to before the centre crop of ``crop_size``.
         crop_scale: Range of the crop's area, as a fraction of the image, for RandomResizedCrop.
         channels_last: Collate batches in channels_last memory format. ``None``: on a CUDA device.
@@ -76,8 +73,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         hw_decoder_load: With ``decoder: dali`` on CUDA, the fraction of JPEGs sent to the hardware decoder.
         seed: Seed of the training order and augmentation. ``None``: ``--seed_everything``; resuming keeps it.
         index: Keep each split's file list in an index file; a split whose folders changed is scanned again.
-        index_dir: Folder of the index files (``None``: ``$LIT_IMAGENET_CACHE/index``, else
-            ``~/.cache/lit_imagenet/index``).
+        index_dir: The index files' folder. ``None``: ``$LIT_IMAGENET_CACHE/index`` or ``~/.cache/lit_imagenet/index``.
         dali_threads: With ``decoder: dali``, the pipeline's CPU threads. ``None``: half this process's cores, 2-8.
         persistent_eval_workers: Keep the validation, test and predict loader workers between passes.
         train_crop_size: Side of the square training crops (FixRes: train at 176, evaluate at ``val_resize`` 232 and
@@ -86,13 +82,9 @@ class ImageFolderDataModule(pl.LightningDataModule):
             (RandAugment) or ``augmix`` (AugMix), torchvision's, bilinear. ``None``: none.
         ra_magnitude: RandAugment's magnitude (0-30) with ``auto_augment: ra``.
         augmix_severity: AugMix's severity (1-10) with ``auto_augment: augmix``.
-        random_erase: Probability that a training crop gets a random box filled with the normalisation mean
-            (torchvision's ``RandomErasing``, after the policy).
-        ra_reps: Repeated augmentation: each epoch shows ``1 / ra_reps`` of the training images, each ``ra_reps``
-            times with different augmentations on different processes; an epoch keeps the split's length. 1: off.
-
-    Every decoder draws the crop, flip and erased box of a sample from its seed alike; DALI draws its policy from its
-    own generator, the others from torch's seeded by the sample's seed.
+        random_erase: Probability of torchvision's ``RandomErasing`` of a training crop, after the policy.
+        ra_reps: Repeated augmentation: an epoch shows ``1 / ra_reps`` of the training images ``ra_reps`` times each,
+            differently augmented on different processes; an epoch keeps the split's length. 1: off.
     """
 
     def __init__(
@@ -138,6 +130,18 @@ class ImageFolderDataModule(pl.LightningDataModule):
             raise ConfigError(f"crop_scale must satisfy 0 < low <= high <= 1. Got {list(crop_scale)}")
         if root is None and predict_root is None:
             raise DataError("No data given; set --data.root to a folder with train/ and val/ sub-folders.")
+        if decoder not in DECODERS:
+            raise ConfigError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
+        if decoder == "dali":
+            import_dali()
+        if not 0.0 <= gpu_share <= 1.0:
+            raise ConfigError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
+        if gpu_decode_ahead < 1:
+            raise ConfigError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise ConfigError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
+        if dali_threads is not None and dali_threads < 1:
+            raise ConfigError(f"dali_threads must be at least 1. Got {dali_threads}")
         self.save_hyperparameters()
         self.root = Path(root) if root is not None else None
         self.batch_size = batch_size
@@ -149,36 +153,21 @@ class ImageFolderDataModule(pl.LightningDataModule):
         self.ra_reps = ra_reps
         self.channels_last = channels_last
         self.pin_memory = pin_memory
-        self.predict_root = Path(predict_root) if predict_root is not None else None
         self.seed = seed
-        if decoder not in DECODERS:
-            raise ConfigError(f"decoder must be one of {', '.join(map(repr, DECODERS))}. Got {decoder!r}")
-        if decoder == "dali":
-            import_dali()
-        if not 0.0 <= gpu_share <= 1.0:
-            raise ConfigError(f"gpu_share must be between 0 and 1. Got {gpu_share}")
-        if gpu_decode_ahead < 1:
-            raise ConfigError(f"gpu_decode_ahead must be at least 1. Got {gpu_decode_ahead}")
-        if not 0.0 <= hw_decoder_load <= 1.0:
-            raise ConfigError(f"hw_decoder_load must be between 0 and 1. Got {hw_decoder_load}")
         self.decoder = decoder
         self._decoder_logged: str | None = None
         self.gpu_share = float(gpu_share)
         self.gpu_decode_ahead = gpu_decode_ahead
         self.hw_decoder_load = float(hw_decoder_load)
-        if dali_threads is not None and dali_threads < 1:
-            raise ConfigError(f"dali_threads must be at least 1. Got {dali_threads}")
         self.dali_threads = dali_threads
         self.persistent_eval_workers = persistent_eval_workers
         #: Set by the ``CUDAPrefetch`` callback; ``None`` leaves transfer and normalisation to the model.
         self.prefetch_device: torch.device | None = None
-        self.mean = IMAGENET_MEAN
-        self.std = IMAGENET_STD
+        self.mean, self.std = IMAGENET_MEAN, IMAGENET_STD
         self.augment = Augment(
             policy=auto_augment, ra_magnitude=ra_magnitude, augmix_severity=augmix_severity,
             random_erase=random_erase, fill=Augment.fill_of(self.mean),
         )  # fmt: skip
-
         #: The processes and batch size of the run whose checkpoint this run resumes from (``load_state_dict``).
         self._saved: dict[str, int] | None = None
         self.classes: list[str] = []
@@ -186,8 +175,8 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if self.root is not None:
             where = (Path(index_dir) if index_dir is not None else default_index_dir()) if index else None
             self.classes, self._splits = scan_root(self.root, where)
-        if self.predict_root is not None:
-            self._splits["predict"] = scan_predict(self.predict_root)
+        if predict_root is not None:
+            self._splits["predict"] = scan_predict(Path(predict_root))
         if verify_images:
             verify_image_files([p for samples in self._splits.values() for p, _ in samples], workers=max(1, workers))
 
@@ -224,24 +213,25 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return self._splits[split]
 
     def train_transform(self) -> Callable[[Any], Any]:
-        """RandomResizedCrop to ``train_crop_size``, horizontal flip and ``augment``, on PIL images (``pil``) or uint8
-        tensors (the others)."""
-        return presets.train_transform(self.train_crop_size, self.crop_scale, self.augment)
+        """RandomResizedCrop to ``train_crop_size``, flip and ``augment``, on PIL images or uint8 tensors."""
+        return TrainCrop(self.train_crop_size, self.crop_scale, self.augment)
 
     def eval_transform(self) -> Callable[[Any], Any]:
         """Resize of the short side, then centre crop; on PIL images (``pil``) or uint8 tensors (the others)."""
-        return presets.eval_transform(self.val_resize, self.crop_size, tensors=self.decoder_in_use() != "pil")
+        return eval_transform(self.val_resize, self.crop_size, tensors=self.decoder_in_use() != "pil")
 
-    def _on_cuda(self) -> bool:
-        return self.prefetch_device is not None or (
-            self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        )
+    def _device(self) -> torch.device | None:
+        """The prefetcher's device, else the run's CUDA device; ``None`` off CUDA."""
+        if self.prefetch_device is not None or self.trainer is None:
+            return self.prefetch_device
+        device = self.trainer.strategy.root_device
+        return device if device.type == "cuda" else None
 
     def decoder_in_use(self) -> str:
         """``decoder``, or for ``auto`` the decoder it stands for on this run's devices; logged when it changes."""
         if self.decoder == "auto":
             processes = self.trainer.world_size if self.trainer is not None else 1
-            choice, reason = choose_decoder(self._on_cuda(), processes)
+            choice, reason = choose_decoder(self._device() is not None, processes)
             line = f"Decoder: {choice} (--data.decoder auto: {reason})."
         else:
             choice, line = self.decoder, f"Decoder: {self.decoder} (--data.decoder {self.decoder})."
@@ -251,66 +241,49 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return choice
 
     def _memory_format(self) -> torch.memory_format:
-        use = self._on_cuda() if self.channels_last is None else self.channels_last
+        use = self._device() is not None if self.channels_last is None else self.channels_last
         return torch.channels_last if use else torch.contiguous_format
 
     def _data_seed(self) -> int:
-        if self.seed is not None:
-            return self.seed
-        return int(os.environ.get("PL_GLOBAL_SEED", 0))  # set by seed_everything / --seed_everything
+        # PL_GLOBAL_SEED: set by seed_everything (--seed_everything).
+        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
 
     def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
-        decoder = self.decoder_in_use()
+        decoder, samples, device = self.decoder_in_use(), self.samples(split), self._device()
+        memory_format = self._memory_format()
+        crop, augment = (self.train_crop_size, self.augment) if train else (self.crop_size, Augment())
+        saved = self._saved if train else None
+        sampler = split_sampler(samples, train, self._data_seed(), self.trainer, self.batch_size, saved, self.ra_reps)
+        if decoder == "dali":
+            processes = self.trainer.num_devices if self.trainer is not None else 1
+            threads = self.dali_threads or max(2, min(8, usable_cores() // max(1, processes) // 2))
+            return DALILoader(
+                samples, self.batch_size, train, crop, self.val_resize, self.crop_scale, threads=threads, device=device,
+                sampler=sampler, channels_last=memory_format == torch.channels_last, augment=augment, mean=self.mean,
+                std=self.std, dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
+                hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
+            )  # fmt: skip
         transform = self.train_transform() if train else self.eval_transform()
-        samples, memory_format = self.samples(split), self._memory_format()
         if decoder == "nvjpeg":
             dataset: ImageFolderDataset = EncodedImageFolderDataset(
-                samples, transform, train, self._crop(train), self.crop_scale, self.val_resize, self.gpu_share,
-                augment=self.augment if train else Augment(),
-            )  # fmt: skip
+                samples, transform, train, crop, self.crop_scale, self.val_resize, self.gpu_share, augment=augment
+            )
             collate = partial(collate_encoded, memory_format=memory_format)
         else:
             dataset = ImageFolderDataset(samples, transform, load_rgb_tensor if decoder == "torchvision" else load_rgb)
             collate = partial(collate_uint8, memory_format=memory_format)
-        saved = self._saved if train else None
-        sampler = split_sampler(dataset, train, self._data_seed(), self.trainer, self.batch_size, saved, self.ra_reps)
-        if decoder == "dali":
-            return self._dali_loader(split, train, sampler, stage)
         return PrefetchLoader(
-            dataset, batch_size=self.batch_size, shuffle=False, sampler=sampler, num_workers=self.workers,
-            collate_fn=collate, pin_memory=self.pin_memory and self._on_cuda(), drop_last=False,
+            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.workers, collate_fn=collate,
+            pin_memory=self.pin_memory and device is not None, device=self.prefetch_device,
             persistent_workers=self.workers > 0 and (train or self.persistent_eval_workers),
-            device=self.prefetch_device, mean=self.mean, std=self.std, decode_ahead=self.gpu_decode_ahead,
+            mean=self.mean, std=self.std, decode_ahead=self.gpu_decode_ahead,
         )  # fmt: skip
-
-    def _dali_loader(self, split: str, train: bool, sampler: DistributedSampler | None, stage: str) -> DALILoader:
-        device = self.prefetch_device
-        if device is None and self.trainer is not None and self.trainer.strategy.root_device.type == "cuda":
-            device = self.trainer.strategy.root_device
-        return DALILoader(
-            self.samples(split), self.batch_size, train, self._crop(train), self.val_resize, self.crop_scale,
-            augment=self.augment if train else Augment(), threads=self._dali_threads(), sampler=sampler, device=device,
-            channels_last=self._memory_format() == torch.channels_last,
-            dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None), mean=self.mean,
-            std=self.std, hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
-        )  # fmt: skip
-
-    def _crop(self, train: bool) -> int:
-        return self.train_crop_size if train else self.crop_size
-
-    def _dali_threads(self) -> int:
-        if self.dali_threads is not None:
-            return self.dali_threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        processes = self.trainer.num_devices if self.trainer is not None else 1
-        return max(2, min(8, cores // max(1, processes) // 2))
 
     def _batch_limit(self, stage: str) -> int | None:
         """The batches Lightning reads of an evaluation stage (``--trainer.limit_*_batches``), None for all."""
         limit = getattr(self.trainer, f"limit_{stage}_batches", None) if self.trainer is not None else None
-        if isinstance(limit, int) and not isinstance(limit, bool):
-            return limit
-        return None  # a fraction (1.0: all) is applied by Lightning to the loader's length
+        # A fraction (1.0: all) Lightning applies to the loader's length.
+        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""

@@ -18,25 +18,13 @@ from lit_imagenet.errors import DataError, undecodable_image
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
-def _is_hidden(name: str) -> bool:
-    return name.startswith(".")
-
-
 def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int]) -> None:
     """Appends the non-hidden images under ``folder`` to ``names`` (sorted) and folder times to ``folders``."""
     folders[relative] = os.stat(folder).st_mtime_ns  # before listing: a change after it moves the time
-    files, subfolders = [], []
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if _is_hidden(entry.name):
-                continue
-            if entry.is_dir():  # follows links, as the other decoders' readers do
-                subfolders.append(entry.name)
-            else:
-                files.append(entry)
-    files.sort(key=lambda e: e.name)
-    for entry in files:
-        path = os.path.join(folder, entry.name)
+    with os.scandir(folder) as scan:
+        entries = sorted((e for e in scan if not e.name.startswith(".")), key=lambda e: e.name)
+    for entry in (e for e in entries if not e.is_dir()):  # is_dir follows links, as the decoders' readers do
+        path = entry.path
         if os.path.splitext(entry.name)[1].lower() not in IMAGE_EXTENSIONS:
             raise DataError(
                 f"{path} is not an image file (expected one of {', '.join(IMAGE_EXTENSIONS)}); "
@@ -49,18 +37,8 @@ def _walk(folder: str, relative: str, names: list[bytes], folders: dict[str, int
         if size == 0:
             raise undecodable_image(path, "an empty file: 0 bytes")
         names.append(os.fsencode(os.path.join(relative, entry.name)))
-    for name in sorted(subfolders):
-        _walk(os.path.join(folder, name), os.path.join(relative, name), names, folders)
-
-
-def _walk_class(split_dir: str, name: str) -> tuple[list[bytes], dict[str, int]]:
-    names: list[bytes] = []
-    folders: dict[str, int] = {}
-    folder = os.path.join(split_dir, name)
-    _walk(folder, name, names, folders)
-    if not names:
-        raise DataError(f"Class folder {folder} holds no images; add images or remove the folder.")
-    return names, folders
+    for entry in (e for e in entries if e.is_dir()):
+        _walk(entry.path, os.path.join(relative, entry.name), names, folders)
 
 
 def scan_split(split_dir: str | Path) -> Scan:
@@ -75,33 +53,29 @@ def scan_split(split_dir: str | Path) -> Scan:
     if not split_dir.is_dir():
         raise DataError(f"Data folder {split_dir} does not exist; create it with one sub-folder of images per class.")
     folders = {".": os.stat(split_dir).st_mtime_ns}
-    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not _is_hidden(e.name))
+    classes = sorted(e.name for e in os.scandir(split_dir) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
     names: list[bytes] = []
     counts = []
-    for class_names, class_folders in (_walk_class(str(split_dir), name) for name in classes):
-        names += class_names
-        folders.update(class_folders)
-        counts.append(len(class_names))
-    offsets = np.zeros(len(names) + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)), out=offsets[1:])
-    blob = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
+    for name in classes:
+        count = len(names)
+        _walk(os.path.join(split_dir, name), name, names, folders)
+        if len(names) == count:
+            raise DataError(f"Class folder {split_dir / name} holds no images; add images or remove the folder.")
+        counts.append(len(names) - count)
     labels = np.repeat(np.arange(len(classes), dtype=np.int32), counts)
-    return Scan(classes, SampleTable(split_dir, blob, offsets, labels), folders, started)
+    return Scan(classes, SampleTable.from_names(split_dir, names, labels), folders, started)
 
 
 def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, other: Sequence[str]) -> None:
     """Refuses two splits whose class folders differ: their label indices would not match."""
     if list(train) == list(other):
         return
-    only_train = sorted(set(train) - set(other))
-    only_other = sorted(set(other) - set(train))
     parts = []
-    if only_train:
-        parts.append(f"only in {train_dir}: {', '.join(only_train[:10])}{' ...' if len(only_train) > 10 else ''}")
-    if only_other:
-        parts.append(f"only in {other_dir}: {', '.join(only_other[:10])}{' ...' if len(only_other) > 10 else ''}")
+    for folder, only in ((train_dir, sorted(set(train) - set(other))), (other_dir, sorted(set(other) - set(train)))):
+        if only:
+            parts.append(f"only in {folder}: {', '.join(only[:10])}{' ...' if len(only) > 10 else ''}")
     raise DataError(
         f"{train_dir} and {other_dir} have different class folders ({'; '.join(parts)}); "
         "both splits need the same class folders."
@@ -117,12 +91,9 @@ def scan_root(root: Path, index_dir: Path | None = None) -> tuple[list[str], dic
     """
     if not root.is_dir():
         raise DataError(f"Data root {root} does not exist; point --data.root at a folder with train/ and val/.")
-    splits: dict[str, SampleTable] = {}
     train = cached_scan(root / "train", index_dir, scan_split)
-    splits["train"] = train.samples
-    for split in ("val", "test"):
-        if split == "test" and not (root / split).is_dir():
-            continue
+    splits = {"train": train.samples}
+    for split in ("val", "test") if (root / "test").is_dir() else ("val",):
         other = cached_scan(root / split, index_dir, scan_split)
         check_same_classes(root / "train", train.classes, root / split, other.classes)
         splits[split] = other.samples
@@ -141,5 +112,4 @@ def scan_predict(folder: Path) -> SampleTable:
     _walk(str(folder), "", names, {})
     if not names:
         raise DataError(f"Prediction folder {folder} holds no images.")
-    # The names are relative to the folder, which the table joins to each of them.
-    return SampleTable.from_pairs(folder, [(os.fsdecode(n), i) for i, n in enumerate(names)])
+    return SampleTable.from_names(folder, names, range(len(names)))

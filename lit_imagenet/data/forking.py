@@ -18,8 +18,7 @@ def _freeze_inherited_objects() -> None:
         gc.freeze()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_freeze_inherited_objects)
+os.register_at_fork(after_in_child=_freeze_inherited_objects)
 
 
 @contextmanager

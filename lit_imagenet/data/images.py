@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -17,8 +17,6 @@ from torchvision.io import ImageReadMode, decode_image, read_file
 from lit_imagenet.data.forking import forks_skip_parent_garbage
 from lit_imagenet.data.index import SampleTable
 from lit_imagenet.errors import DataError, undecodable_image
-
-JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 def load_rgb(path: str) -> Image.Image:
@@ -33,24 +31,17 @@ def load_rgb(path: str) -> Image.Image:
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
 
 
-_TORCHVISION_DECODES = (".jpg", ".jpeg", ".png", ".webp")
-
-
 def load_rgb_tensor(path: str) -> Tensor:
     """Decodes an image with ``torchvision.io`` into a uint8 ``(3, H, W)`` tensor (PIL for other formats)."""
-    if Path(path).suffix.lower() not in _TORCHVISION_DECODES:
+    if Path(path).suffix.lower() not in (".jpg", ".jpeg", ".png", ".webp"):
         return torch.from_numpy(np.asarray(load_rgb(path), dtype=np.uint8).copy()).permute(2, 0, 1)
     return decode_rgb_bytes(read_bytes(path), path)
 
 
 def verify_image_files(paths: Sequence[str], workers: int = 8) -> None:
     """Decodes every image once, in threads, and raises ``DataError`` for the first that fails."""
-
-    def check(path: str) -> None:
-        load_rgb(path)
-
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for _ in pool.map(check, paths):
+        for _ in pool.map(load_rgb, paths):  # each image dropped once decoded
             pass
 
 
@@ -74,23 +65,10 @@ def decode_rgb_bytes(data: Tensor, path: str) -> Tensor:
     return img
 
 
-def jpeg_size(data: Tensor, path: str) -> tuple[int, int]:
-    """``(height, width)`` from the header of an encoded image held in memory."""
-    return _header_size(io.BytesIO(data.numpy().tobytes()), path)
-
-
-def image_size(path: str) -> tuple[int, int]:
-    """``(height, width)`` of an image file, from its header: EXIF orientation is not applied."""
+def image_size(path: str, data: Tensor | None = None) -> tuple[int, int]:
+    """``(height, width)`` from the header of an image file, or of its bytes ``data``; EXIF orientation not applied."""
     try:
-        with open(path, "rb") as f:
-            return _header_size(f, path)
-    except OSError as err:
-        raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
-
-
-def _header_size(stream: BinaryIO, path: str) -> tuple[int, int]:
-    try:
-        with Image.open(stream) as img:  # reads the header alone
+        with Image.open(path if data is None else io.BytesIO(data.numpy().tobytes())) as img:  # reads the header
             width, height = img.size
     except Exception as err:  # PIL raises many types for bad files; all mean the same to the user
         raise undecodable_image(path, f"{type(err).__name__}: {err}") from None
@@ -108,10 +86,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
             indices = self.order[start : start + self.chunk]
             sizes = np.zeros((len(indices), 2), dtype=np.int32)
             for k, path in enumerate(self.samples.paths(indices)):
-                try:
+                with contextlib.suppress(DataError):  # left 0: read again by ``get``, which raises
                     sizes[k] = image_size(path)
-                except DataError:
-                    pass
             yield indices, sizes
 
 
@@ -120,9 +96,6 @@ class ImageSizes:
 
     ``read_ahead`` has a loader worker process read the headers of an order of samples, ``AHEAD`` chunks ahead of
     the chunks ``get`` takes from it, so that the training process does not wait on them.
-
-    Args:
-        samples: ``(path, label)`` samples (a ``SampleTable``).
     """
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
@@ -172,4 +145,4 @@ class ImageSizes:
 
 def gpu_decodable(data: Tensor) -> bool:
     """Whether the bytes look like a JPEG (the only format decoded on the GPU)."""
-    return data.numel() > 3 and bytes(data[:3].tolist()) == JPEG_MAGIC
+    return data.numel() > 3 and bytes(data[:3].tolist()) == b"\xff\xd8\xff"

@@ -6,25 +6,23 @@ The index keeps each scanned folder's modification time: an entry added, removed
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import sys
 import tempfile
-import zlib
+import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import overload
 
 import numpy as np
 
-#: The layout of the index file; an index of another layout is scanned again.
-INDEX_VERSION = 1
-_MAGIC = b"LITIMGIX"
+#: The layout of the index file, part of its name: an index of another layout is not read.
+INDEX_VERSION = 2
 # A folder modified this close to its scan may change again with the same time (times in steps of up to 2 s).
 _RACE_NS = 2_000_000_000
 
@@ -46,21 +44,22 @@ class SampleTable(Sequence[tuple[str, int]]):
         self.names = names
         self.offsets = offsets
         self.labels = labels
-        self._ascii: str | None = None  # the names as one string, if they are ASCII
+        self._blob: bytes | None = None  # the names as bytes, for ``paths``: slicing bytes beats slicing the array
+
+    @classmethod
+    def from_names(cls, root: str | os.PathLike[str], names: Sequence[bytes], labels: Iterable[int]) -> SampleTable:
+        """A table of paths relative to ``root``, each as ``os.fsencode`` gives it, and their labels."""
+        offsets = np.zeros(len(names) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, names), dtype=np.int64, count=len(names)), out=offsets[1:])
+        blob = np.frombuffer(b"".join(names), dtype=np.uint8).copy()
+        return cls(root, blob, offsets, np.fromiter(labels, dtype=np.int32, count=len(names)))
 
     @classmethod
     def from_pairs(cls, root: str | os.PathLike[str], pairs: Iterable[tuple[str, int]]) -> SampleTable:
         """A table of ``(path, label)`` pairs, each path under ``root`` or relative to it; ``root`` ``""``: as given."""
-        root = os.fspath(root)
-        encoded, labels = [], []
-        for path, label in pairs:
-            path = os.fspath(path)
-            encoded.append(os.fsencode(os.path.relpath(path, root) if root and os.path.isabs(path) else path))
-            labels.append(int(label))
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        np.cumsum([len(e) for e in encoded], out=offsets[1:])
-        names = np.frombuffer(b"".join(encoded), dtype=np.uint8).copy()
-        return cls(root, names, offsets, np.asarray(labels, dtype=np.int32))
+        root, pairs = os.fspath(root), [(os.fspath(path), int(label)) for path, label in pairs]
+        relative = [os.path.relpath(path, root) if root and os.path.isabs(path) else path for path, _ in pairs]
+        return cls.from_names(root, [os.fsencode(path) for path in relative], (label for _, label in pairs))
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -73,52 +72,33 @@ class SampleTable(Sequence[tuple[str, int]]):
 
     def __getitem__(self, index: int | slice) -> tuple[str, int] | list[tuple[str, int]]:
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} of {len(self)}")
+            return [self[i] for i in range(len(self))[index]]
+        index = range(len(self))[index]  # negative from the end; IndexError out of range
         return self.path(index), int(self.labels[index])
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        return (self[i] for i in range(len(self)))
 
     @staticmethod
     def of(samples: Sequence[tuple[str, int]]) -> SampleTable:
         """``samples`` as a table: itself if it is one, else its pairs with their paths as given."""
         return samples if isinstance(samples, SampleTable) else SampleTable.from_pairs("", samples)
 
-    def relative(self, index: int) -> str:
-        """Sample ``index``'s path relative to ``root``."""
-        start, end = self.offsets[index], self.offsets[index + 1]
-        return os.fsdecode(self.names[start:end].tobytes())
-
     def path(self, index: int) -> str:
         """Sample ``index``'s path."""
-        return os.path.join(self.root, self.relative(index)) if self.root else self.relative(index)
+        relative = os.fsdecode(self.names[self.offsets[index] : self.offsets[index + 1]].tobytes())
+        return os.path.join(self.root, relative) if self.root else relative
 
     def paths(self, indices: Iterable[int] | np.ndarray) -> list[str]:
         """The paths of the samples ``indices``, in their order."""
         where = np.fromiter(indices, dtype=np.int64) if not isinstance(indices, np.ndarray) else indices
         starts, ends = self.offsets[where].tolist(), self.offsets[where + 1].tolist()
         prefix = os.path.join(self.root, "") if self.root else ""
-        if self._ascii is None:
-            self._ascii = self.names.tobytes().decode("ascii") if not (self.names >= 128).any() else ""
-        if self._ascii:  # byte offsets are character offsets
-            text = self._ascii
-            return [prefix + text[a:b] for a, b in zip(starts, ends)]
-        blob = self.names.tobytes()
-        return [prefix + os.fsdecode(blob[a:b]) for a, b in zip(starts, ends)]
+        self._blob = self.names.tobytes() if self._blob is None else self._blob
+        return [prefix + os.fsdecode(self._blob[a:b]) for a, b in zip(starts, ends)]
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SampleTable):
             return NotImplemented
-        return (
-            self.root == other.root
-            and np.array_equal(self.offsets, other.offsets)
-            and np.array_equal(self.names, other.names)
-            and np.array_equal(self.labels, other.labels)
-        )
+        arrays = ("offsets", "names", "labels")
+        return self.root == other.root and all(np.array_equal(getattr(self, a), getattr(other, a)) for a in arrays)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.root!r}, {len(self)} samples)"
@@ -147,47 +127,34 @@ def default_index_dir() -> Path:
 
 
 def index_path(index_dir: str | os.PathLike[str], split_dir: str | os.PathLike[str]) -> Path:
-    """The index file of a split folder: named by a digest of the folder's real path, and the folder's name."""
+    """The index file of a split folder: named by the folder's name, a digest of its real path and the layout."""
     real = os.path.realpath(split_dir)
     digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:20]
-    return Path(index_dir) / f"{Path(real).name or 'root'}-{digest}.index"
+    return Path(index_dir) / f"{Path(real).name or 'root'}-{digest}-v{INDEX_VERSION}.index"
 
 
 def write_index(path: str | os.PathLike[str], scan: Scan) -> None:
-    """Writes ``scan`` to the index file ``path``: a temporary file in its folder, fsynced, renamed over it."""
-    path = Path(path)
-    table = scan.samples
-    arrays = [table.offsets.astype("<i8"), table.labels.astype("<i4"), table.names.astype(np.uint8)]
-    payload = b"".join(a.tobytes() for a in arrays)
-    header = {
-        "version": INDEX_VERSION,
-        "split": os.path.realpath(table.root),
-        "classes": scan.classes,
-        "folders": scan.folders,
-        "samples": len(table),
-        "name_bytes": int(table.names.size),
-        "crc32": zlib.crc32(payload),
-    }
-    head = json.dumps(header, ensure_ascii=True).encode()
+    """Writes ``scan`` to the index file ``path`` (numpy's ``.npz``): a temporary file, fsynced, renamed over it."""
+    path, table = Path(path), scan.samples
+    header = {"split": os.path.realpath(table.root), "classes": scan.classes, "folders": scan.folders}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o644)  # readable by the other users of a shared cache
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + len(head).to_bytes(8, "little") + head + payload)
+            arrays = {"names": table.names, "offsets": table.offsets, "labels": table.labels}
+            np.savez(f, header=np.array(json.dumps(header)), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(tmp)
-        except OSError:
-            pass
         raise
 
 
 class StaleIndex(Exception):
-    """The index file is missing, of another layout, or its split's folders changed since it was written."""
+    """The index file is missing, of another folder, or its split's folders changed since it was written."""
 
 
 class CorruptIndex(Exception):
@@ -198,44 +165,30 @@ def read_index(path: str | os.PathLike[str], split_dir: str | os.PathLike[str]) 
     """The scan kept in the index file ``path``, if it is whole and the folders of ``split_dir`` are as it saw them.
 
     Raises:
-        StaleIndex: There is no such file, it is of another layout or another folder, or a folder changed.
-        CorruptIndex: The file is damaged.
+        StaleIndex: There is no such file, it is of another folder, or a folder changed.
+        CorruptIndex: The file is damaged (the ``.npz``'s checksums tell).
     """
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        with np.load(path) as index:
+            header = json.loads(index["header"].item())
+            split, classes, folders = header["split"], list(header["classes"]), dict(header["folders"])
+            table = SampleTable(split_dir, index["names"], index["offsets"], index["labels"])
     except (FileNotFoundError, NotADirectoryError):
         raise StaleIndex("no index yet") from None
-    if data[: len(_MAGIC)] != _MAGIC or len(data) < len(_MAGIC) + 8:
-        raise CorruptIndex("not an index file")
-    start = len(_MAGIC) + 8
-    size = int.from_bytes(data[len(_MAGIC) : start], "little")
-    try:
-        header = json.loads(data[start : start + size])
-        if header.get("version") != INDEX_VERSION:
-            raise StaleIndex(f"an index of layout {header.get('version')}")
-        count, name_bytes = int(header["samples"]), int(header["name_bytes"])
-        payload = memoryview(data)[start + size :]
-        if len(payload) != 8 * (count + 1) + 4 * count + name_bytes or zlib.crc32(payload) != header["crc32"]:
-            raise CorruptIndex("its contents do not match its checksum")
-        classes, folders = list(header["classes"]), {str(k): int(v) for k, v in header["folders"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CorruptIndex(f"its header cannot be read ({type(err).__name__})") from None
-    if header.get("split") != os.path.realpath(split_dir):
-        raise StaleIndex(f"an index of {header.get('split')}")
+    except (OSError, EOFError, ValueError, KeyError, TypeError, AttributeError, zipfile.BadZipFile) as err:
+        raise CorruptIndex(f"it cannot be read as an index ({type(err).__name__})") from None
+    if split != os.path.realpath(split_dir):
+        raise StaleIndex(f"an index of {split}")
     for folder, mtime in folders.items():
         try:
             if os.stat(os.path.join(split_dir, folder)).st_mtime_ns != mtime:
                 raise StaleIndex(f"{folder} changed")
         except OSError:
             raise StaleIndex(f"{folder} is gone") from None
-    offsets = np.frombuffer(payload, dtype="<i8", count=count + 1).astype(np.int64)
-    labels = np.frombuffer(payload, dtype="<i4", count=count, offset=8 * (count + 1)).astype(np.int32)
-    names = np.frombuffer(payload, dtype=np.uint8, offset=12 * count + 8).copy()
-    return Scan(classes, SampleTable(split_dir, names, offsets, labels), folders, started_ns=0)
+    return Scan(classes, table, folders, started_ns=0)
 
 
-@contextmanager
+@contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
     """Holds an exclusive lock on ``path`` (created if need be), where the file system has locks; else none."""
     try:
@@ -245,11 +198,8 @@ def _locked(path: Path) -> Iterator[None]:
         yield
         return
     with f:
-        try:
+        with contextlib.suppress(OSError):  # a file system without locks: go on without
             fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as err:  # a file system without locks: go on without
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                raise
         yield
 
 
@@ -274,7 +224,7 @@ def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], 
             return read_index(path, split_dir)
         except StaleIndex:
             pass
-        except (CorruptIndex, OSError) as err:
+        except CorruptIndex as err:
             damaged = err
         found = scan(split_dir)
         if found.racy():

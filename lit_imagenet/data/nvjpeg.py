@@ -1,8 +1,6 @@
-"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): the workers read the bytes and draw the crops.
-
-Workers collate bytes and crops into an ``EncodedBatch``, which ``decode`` turns into uint8 images on the device.
-Images left to the workers by ``gpu_share``, and files nvJPEG cannot read, are decoded by the workers.
-"""
+"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): workers read the bytes and draw the crops into an
+``EncodedBatch``, which ``decode`` turns into uint8 images on the device. Images left to the workers by ``gpu_share``,
+and files nvJPEG cannot read, are decoded by the workers."""
 
 from __future__ import annotations
 
@@ -17,12 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import v2
 
 from lit_imagenet.data.augment import Augment, apply_policy, erase_boxes, policy_transform
 from lit_imagenet.data.crops import CropBox, center_crop_box, crop_and_flip
 from lit_imagenet.data.datasets import ImageFolderDataset
-from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, jpeg_size, load_rgb_tensor, read_bytes
+from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, image_size, load_rgb_tensor, read_bytes
 
 
 class EncodedImage(NamedTuple):
@@ -52,10 +49,8 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         transform: The CPU transform for the images decoded here (for training, with ``augment`` applied).
         samples, train, crop_size, crop_scale, val_resize: As in ``DALILoader``.
         gpu_share: Fraction of the images decoded on the GPU.
-        augment: Training only: the augmentations of the images decoded on the GPU, applied there by
-            ``transforms.v2`` to the crop from the sample's seed (``augment.augment_image``), as the workers apply
-            them to the rest: a seed gets the same draws on either side, except AugMix's mixing weights, which
-            torch draws on the GPU's generator for GPU tensors.
+        augment: Training only: the augmentations of the images decoded on the GPU, from each sample's seed as on
+            the workers (but for AugMix's mixing weights, which torch draws on the GPU's generator).
     """
 
     def __init__(
@@ -85,31 +80,25 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         data = read_bytes(path)
         if not gpu_decodable(data):
             return super().__getitem__(item)
-        height, width = jpeg_size(data, path)
+        height, width = image_size(path, data)
         if not self.train:
             box = center_crop_box(height, width, self.val_resize, self.crop_size)
             return EncodedImage(data, box, self.crop_size, False, path), target
-        if self.augment is None:
-            box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
-            return EncodedImage(data, box, self.crop_size, flip, path), target
-        if seed is None:  # as crop_and_flip draws it: the crop and the augmentation share it
+        if self.augment is not None and seed is None:  # drawn as crop_and_flip would: the augmentation shares it
             seed = int(torch.randint(0, 2**62, (1,)).item())
-        box, flip = crop_and_flip(height, width, seed, self.crop_scale)
+        box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
+        seed = seed if self.augment is not None else None
         return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
 
 
-@functools.cache
-def _policy(augment: Augment) -> v2.Transform | None:
-    return policy_transform(augment)
+_policy = functools.cache(policy_transform)  # one transform per ``Augment``, not one per batch
 
 
 @dataclass(frozen=True)
 class GPUAugment:
-    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``.
-
-    Kept apart from ``decode`` so that the prefetcher's decode thread leaves it to the training thread: the policy
-    seeds torch's process-wide generators, which that thread draws from meanwhile.
-    """
+    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``. Apart
+    from ``decode``, so that the prefetcher's decode thread leaves it to the training thread: the policy seeds torch's
+    process-wide generators, which that thread draws from meanwhile."""
 
     positions: list[int]
     seeds: list[int]
@@ -142,18 +131,14 @@ class GPUAugment:
 class EncodedBatch:
     """A batch whose images are still (partly) encoded; ``decode`` turns it into ``[uint8 images, targets]``.
 
-    The encoded files lie end to end in ``blob``: a tensor per image would hold a shared-memory file descriptor each.
-
     Attributes:
         targets: int64 ``(N,)`` labels, in batch order.
-        blob: uint8, the encoded files one after the other; ``lengths``: their sizes in bytes.
-        crops: For each of them: the crop box, whether to mirror it, and its path.
+        blob: uint8, the encoded files end to end (a tensor each would hold a shared-memory file descriptor each);
+            ``lengths``: their sizes in bytes; ``crops``: each one's crop box, whether to mirror it, and its path.
         encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
         decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented) already (or ``None``).
-        size: The side ``S`` of the output images.
-        memory_format: Of the output batch.
-        seeds: The augmentation seeds of the encoded images, when ``augment`` is given.
-        augment: The training augmentations of the encoded images, or ``None``.
+        size: The side ``S`` of the output images; ``memory_format``: that of the output batch.
+        seeds, augment: The encoded images' augmentation seeds and their augmentations, or ``[]`` and ``None``.
     """
 
     targets: Tensor
@@ -174,13 +159,12 @@ class EncodedBatch:
     @property
     def encoded(self) -> list[EncodedImage]:
         """The images to decode on the device, their bytes as slices of ``blob``."""
-        out, start = [], 0
         seeds: list[int | None] = list(self.seeds) if self.augment is not None else [None] * len(self.crops)
-        for (box, flip, path), length, seed in zip(self.crops, self.lengths, seeds):
-            augment = self.augment if seed is not None else None
-            out.append(EncodedImage(self.blob[start : start + length], box, self.size, flip, path, seed, augment))
-            start += length
-        return out
+        parts = zip(self.blob.split(self.lengths), self.crops, seeds)
+        return [
+            EncodedImage(data, box, self.size, flip, path, seed, self.augment)
+            for data, (box, flip, path), seed in parts
+        ]
 
     @property
     def gpu_augment(self) -> GPUAugment | None:
@@ -199,11 +183,8 @@ class EncodedBatch:
         )
 
     def decode(self, device: torch.device | str, augment: bool = True) -> list[Tensor]:
-        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``; the JPEGs decoded there, and with
-        ``augment`` augmented there (``gpu_augment``; else left to the caller).
-
-        Raises:
-            DataError: An image cannot be decoded; the message names the file.
+        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``, the JPEGs decoded there, and with
+        ``augment`` augmented there (``gpu_augment``; else left to the caller). Raises ``DataError`` naming a bad file.
         """
         device = torch.device(device)
         side = [self.size, self.size]
@@ -252,9 +233,8 @@ def _scripted_resize_crops() -> Callable[[list[Tensor], list[list[int]], list[in
 
 def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Tensor]:
     """Decodes all images in one batched call; if that fails, one by one, to name the bad file."""
-    data = [item.data for item in items]
     try:
-        return list(decode_jpeg(data, mode=ImageReadMode.RGB, device=device))
+        return list(decode_jpeg([item.data for item in items], mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
         pass
     out = []

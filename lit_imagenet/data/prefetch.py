@@ -39,10 +39,9 @@ def _pinned(batch: Any) -> Any:
 
 class CUDAPrefetcher:
     """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
-    A batch with a ``decode(device)`` method (nvJPEG's ``EncodedBatch``), and with ``pin`` every batch, is pinned,
-    copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead: nvJPEG's decode
-    blocks its calling thread until the GPU is done. A decoded batch's augmentations (``gpu_augment``) run in the
-    iterating thread, before the normalisation: their draws use torch's process-wide generators."""
+    A batch with a ``decode(device)`` method (nvJPEG's, which blocks its thread until the GPU is done), and with ``pin``
+    every batch, is pinned, copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead;
+    its ``gpu_augment`` runs in the iterating thread (its draws use torch's process-wide generators)."""
 
     def __init__(
         self,
@@ -133,9 +132,8 @@ class CUDAPrefetcher:
 
 
 class PrefetchLoader(DataLoader):
-    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher`` (``decode_ahead``,
-    normalising with ``mean`` and ``std``); any other ``device`` iterates like a plain ``DataLoader``. On CUDA,
-    ``pin_memory=True`` is left to the prefetcher (``pins_in_prefetcher``), which pins only the batches it copies."""
+    """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher`` normalising with
+    ``mean`` and ``std``, which then does ``pin_memory`` (``pins_in_prefetcher``); else a plain ``DataLoader``."""
 
     def __init__(
         self,
@@ -199,9 +197,9 @@ class PrefetchLoader(DataLoader):
 
 
 class CUDAPrefetch(pl.Callback):
-    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``: the device
-    goes to the data module's ``prefetch_device`` in ``setup``, before Lightning creates the loaders; each evaluation's
-    non-persistent workers stop at its end. ``ImageClassifier`` attaches one unless given one."""
+    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``, by setting
+    the data module's ``prefetch_device`` before Lightning creates the loaders; stops each evaluation's non-persistent
+    workers at its end. ``ImageClassifier`` attaches one unless given one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled

@@ -43,9 +43,8 @@ class Uint8Normalize(nn.Module):
 
 
 class TrainCrop:
-    """RandomResizedCrop (area fraction in ``scale``) and a horizontal flip from the sample's seed
-    (``crops.crop_and_flip``), on PIL images or uint8 tensors, resized to ``size`` squared (antialiased bilinear), then
-    ``augment`` from the same seed (``augment.augment_image``; an erased PIL crop comes back as a uint8 tensor)."""
+    """RandomResizedCrop (area fraction in ``scale``) to ``size`` squared and a horizontal flip from the sample's seed,
+    then ``augment`` from the same seed, on PIL images or uint8 tensors (an erased PIL crop comes back as a tensor)."""
 
     def __init__(self, size: int, scale: tuple[float, float], augment: Augment | None = None) -> None:
         self.size, self.scale = size, scale
@@ -62,9 +61,6 @@ class TrainCrop:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(size={self.size}, scale={self.scale}, augment={self.augment})"
-
-
-train_transform = TrainCrop  # (crop_size, crop_scale, augment): the training crop and flip, then the augmentations
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:

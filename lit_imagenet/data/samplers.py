@@ -1,8 +1,7 @@
 """The order of the samples: seeded and resumable for training, sharded without padding for evaluation.
 
-A training sample's augmentation depends only on ``(seed, epoch, index)`` (``sample_seeds``) and, with repeated
-augmentation, its copy (``copy_seeds``), so a run resumed part-way through an epoch continues with the very same
-batches (``resume_position``), on any number of processes.
+A training sample's augmentation depends only on ``(seed, epoch, index)`` and its copy (repeated augmentation), so a
+run resumed part-way through an epoch continues with the very same batches, on any number of processes.
 """
 
 from __future__ import annotations
@@ -30,12 +29,10 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
 def epoch_samples(size: int, seed: int, epoch: int, reps: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """The sample indices of ``epoch`` over all processes, ``size`` long, and each one's copy number.
 
-    The permutation is fixed by ``seed + epoch // reps``. With ``reps`` above 1 (repeated augmentation), epoch
-    ``epoch`` takes the ``epoch % reps``-th run of ``ceil(size / reps)`` samples of it, each ``reps`` times in a row
-    (copies 0 to ``reps - 1``), so ``reps`` epochs see the whole dataset.
+    The permutation is fixed by ``seed + epoch // reps``; with ``reps`` above 1, the epoch takes its ``epoch % reps``-th
+    run of ``ceil(size / reps)`` samples, each ``reps`` times in a row, so ``reps`` epochs see the whole dataset.
     """
-    generator = torch.Generator()
-    generator.manual_seed(seed + epoch // reps)
+    generator = torch.Generator().manual_seed(seed + epoch // reps)
     perm = torch.randperm(size, generator=generator).numpy()
     if reps == 1:
         return perm, np.zeros(size, dtype=np.int64)
@@ -58,13 +55,10 @@ def copy_seeds(seeds: np.ndarray, copies: np.ndarray) -> np.ndarray:
 def epoch_pass(
     size: int, seed: int, epoch: int, replicas: int, rank: int, done: int = 0, reps: int = 1
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The sample indices of ``rank`` in ``epoch`` after the epoch's first ``done`` samples (over all processes), and
-    their augmentation seeds.
-
-    The rest of ``epoch_samples`` after ``done`` is padded to a multiple of ``replicas`` with the epoch's first
-    samples, and ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0 and ``reps``
-    is 1), so the copies of a sample go to different processes.
-    """
+    """The sample indices of ``rank`` in ``epoch`` after its first ``done`` samples (over all processes), and their
+    augmentation seeds: the rest of ``epoch_samples``, padded to a multiple of ``replicas`` with the epoch's first
+    samples, of which ``rank`` takes every ``replicas``-th (``DistributedSampler``'s order when ``done`` is 0 and
+    ``reps`` 1), so the copies of a sample go to different processes."""
     indices, copies = epoch_samples(size, seed, epoch, reps)
     positions = np.arange(min(done, size), size)
     pad = -len(positions) % replicas
@@ -81,18 +75,15 @@ def epoch_order(size: int, seed: int, epoch: int, replicas: int, rank: int, done
 
 
 class EpochSeededSampler(DistributedSampler):
-    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes.
-
-    Yields ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``; an epoch is as long
-    as the dataset whatever ``reps``.
+    """Training order fixed by ``(seed, epoch)``, resumable part-way through an epoch, on any number of processes:
+    ``(index, augmentation seed)`` pairs, sharded and padded like ``DistributedSampler``, as many as the dataset's.
 
     Args:
         dataset: The training dataset.
         seed: Seed of the order and of the augmentation.
         num_replicas: Number of processes.
         rank: This process's rank.
-        reps: Repeated augmentation: each epoch shows ``1 / reps`` of the samples, each ``reps`` times with
-            different seeds, on different processes (``epoch_samples``). 1: off.
+        reps: Repeated augmentation (``epoch_samples``); 1: off.
     """
 
     def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0, reps: int = 1) -> None:
@@ -123,12 +114,9 @@ class EpochSeededSampler(DistributedSampler):
         return indices, seeds
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        return _pairs(*self.next_pass())
-
-
-def _pairs(indices: np.ndarray, seeds: np.ndarray, chunk: int = 4096) -> Iterator[tuple[int, int]]:
-    for start in range(0, len(indices), chunk):
-        yield from zip(indices[start : start + chunk].tolist(), seeds[start : start + chunk].tolist())
+        indices, seeds = self.next_pass()
+        chunks = range(0, len(indices), 4096)  # Python ints a chunk at a time, not an epoch's at once
+        return (pair for a in chunks for pair in zip(indices[a : a + 4096].tolist(), seeds[a : a + 4096].tolist()))
 
 
 def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
@@ -138,9 +126,7 @@ def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, i
         return trainer.current_epoch, 0
     epoch = max(loop.epoch_progress.current.started - 1, 0)
     done = compat.epoch_batches_done(trainer)
-    if done >= batches_per_epoch:
-        return epoch + 1, 0
-    return epoch, done
+    return (epoch + 1, 0) if done >= batches_per_epoch else (epoch, done)
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
@@ -153,9 +139,6 @@ class UnpaddedDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self.rank, self.total_size, self.num_replicas))
-
-    def __len__(self) -> int:
-        return self.num_samples
 
 
 def split_sampler(
@@ -172,7 +155,6 @@ def split_sampler(
 
     A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size`` and
     ``batch_size``, this run's when ``None``); the fit loop's batch counts are moved to this run's batches.
-    ``reps``: the training sampler's repeated augmentation (``EpochSeededSampler``).
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:

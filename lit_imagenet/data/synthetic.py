@@ -27,12 +27,10 @@ def _polygon(kind: str, cx: float, cy: float, r: float, angle: float) -> list[tu
         radii = [0.42 if kind == "star" and k % 2 else 1.0 for k in range(n)]
         angles = [start + k * 2 * math.pi / n for k in range(n)]
         pts = [(rad * math.cos(a), rad * math.sin(a)) for rad, a in zip(radii, angles)]
-    elif kind == "cross":
+    else:  # the cross: one half, then the other by point symmetry
         w = 0.33
         pts = [(w, 1), (w, w), (1, w), (1, -w), (w, -w), (w, -1)]
-        pts += [(-x, -y) for x, y in pts]  # the other half, by point symmetry
-    else:
-        raise ValueError(f"{kind!r} is not a polygon shape.")
+        pts += [(-x, -y) for x, y in pts]
     c, s = math.cos(angle), math.sin(angle)
     return [(cx + r * (x * c - y * s), cy + r * (x * s + y * c)) for x, y in pts]
 
@@ -86,14 +84,8 @@ def make_shapes(
     if not 2 <= num_classes <= len(SHAPES):
         raise ValueError(f"num_classes must be between 2 and {len(SHAPES)}. Got {num_classes}")
     root = Path(out)
-    settings = {
-        "train_per_class": train_per_class,
-        "val_per_class": val_per_class,
-        "size": [width, height],
-        "num_classes": num_classes,
-        "quality": quality,
-        "seed": seed,
-    }
+    settings = {"train_per_class": train_per_class, "val_per_class": val_per_class, "size": [width, height]}
+    settings.update(num_classes=num_classes, quality=quality, seed=seed)
     marker = root / _MARKER
     if marker.is_file() and json.loads(marker.read_text()) == settings:
         print(f"Reusing the shapes data in {root}", flush=True)
@@ -142,10 +134,10 @@ class SyntheticDataModule(pl.LightningDataModule):
         self,
         batch_size: int = 256,
         crop_size: int = 224,
+        channels_last: bool | None = None,
         num_classes: int = 1000,
         train_steps: int = 100,
         val_steps: int = 2,
-        channels_last: bool | None = None,
     ) -> None:
         super().__init__()
         if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
