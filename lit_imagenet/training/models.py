@@ -112,14 +112,9 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
     return replace_head(model, num_classes)
 
 
-def head_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter]:
-    """Parameters of the classifier head, the submodule ``head_name``."""
-    return list(network.get_submodule(head_name).parameters())
-
-
 def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter]:
-    """Parameters of the network but its classifier head."""
-    head = {id(p) for p in head_parameters(network, head_name)}
+    """Parameters of the network but its classifier head, the submodule ``head_name``."""
+    head = {id(p) for p in network.get_submodule(head_name).parameters()}
     return [p for p in network.parameters() if id(p) not in head]
 
 

@@ -238,28 +238,20 @@ class ImageClassifier(pl.LightningModule):
             return "default", "gradients accumulated over the replays of one graph would be overwritten"
         return "cudagraphs", None
 
-    def backbone_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the network but its classifier head."""
-        return models.backbone_parameters(self.model, self.head_name)
-
-    def set_backbone_frozen(self, frozen: bool) -> None:
-        """Stops (or restarts) training of everything but the classifier head (``models.set_backbone_frozen``)."""
-        models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
-
-    @property
-    def backbone_frozen(self) -> bool:
-        """Whether the current epoch is one of the first ``freeze_backbone_epochs``."""
-        return attached_trainer(self) is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+    def _freeze_backbone(self, end: bool = False) -> None:
+        """Freezes all but the classifier head in the first ``freeze_backbone_epochs``, unfreezes it after them."""
+        epochs = self.hparams.freeze_backbone_epochs
+        if epochs:
+            frozen = not end and self.current_epoch < epochs
+            models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
 
     @override
     def on_train_epoch_start(self) -> None:
-        if self.hparams.freeze_backbone_epochs:
-            self.set_backbone_frozen(self.backbone_frozen)
+        self._freeze_backbone()
 
     @override
     def on_train_end(self) -> None:
-        if self.hparams.freeze_backbone_epochs:
-            self.set_backbone_frozen(False)
+        self._freeze_backbone(end=True)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -336,14 +328,11 @@ class ImageClassifier(pl.LightningModule):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         # Here rather than in on_train_batch_end: a step checkpoint, saved before that hook, holds this update.
-        if self.ema is not None and attached_trainer(self) is not None:
-            self._update_ema(self.trainer.global_step + 1)  # Lightning counts this step once the hook returns
-
-    def _update_ema(self, steps_done: int) -> None:
-        """Every ``ema_steps`` steps: the average, or a copy while the last update was in the EMA's warmup epochs
-        (torchvision resets its average then)."""
-        if self.ema is None or steps_done % self.hparams.ema_steps:
+        if self.ema is None or attached_trainer(self) is None:
             return
+        if (self.trainer.global_step + 1) % self.hparams.ema_steps:  # Lightning counts this step once the hook returns
+            return
+        # The average, or a copy while the last update was in the EMA's warmup epochs (torchvision resets it then).
         warmup = self.hparams.ema_warmup_epochs
         warmup = self.hparams.warmup_epochs if warmup is None else warmup
         self.ema.update(self.model, None if self.ema.fresh else self._ema_decay)
@@ -364,7 +353,7 @@ class ImageClassifier(pl.LightningModule):
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, self.val_loss, self.model)
-        if self.ema is not None and self.val_ema_metrics is not None and self.val_ema_loss is not None:
+        if self.ema is not None:
             self._eval_step(batch, self.val_ema_metrics, self.val_ema_loss, self.ema)
 
     @override
@@ -382,9 +371,8 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         # The rates need the training loader, which loaded this early would restart a resumed epoch: see on_train_start.
         hp = self.hparams
-        fused = bool(self._sgd_implementation().get("fused"))
-        optimizer = optim.build_optimizer(hp.get("optimizer", "sgd"), self._parameter_groups(), hp.lr, hp.momentum,
-                                          hp.weight_decay, fused)  # fmt: skip
+        groups = self._parameter_groups()
+        optimizer = optim.build_optimizer(hp.optimizer, groups, hp.lr, hp.momentum, hp.weight_decay, self._fused())
         # LambdaLR scales every group alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -392,30 +380,33 @@ class ImageClassifier(pl.LightningModule):
     def _parameter_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
         return optim.parameter_groups(self.model, self.head_name, hp.backbone_lr_scale, hp.weight_decay,
-                                      hp.get("norm_weight_decay"), hp.get("bias_weight_decay"))  # fmt: skip
+                                      hp.norm_weight_decay, hp.bias_weight_decay)  # fmt: skip
 
     def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
+        """The rate multiplier per step: ``step`` (warmup, then ``lr_gamma`` at each milestone) or ``cosine``."""
         hp = self.hparams
-        max_epochs = self.trainer.max_epochs if hp.lr_schedule == "cosine" else None
-        return optim.make_schedule(hp.lr_schedule, steps_per_epoch, max_epochs, hp.warmup_epochs, hp.milestones,
-                                   hp.lr_gamma, hp.get("warmup_method", "linear"), hp.get("warmup_decay"))  # fmt: skip
+        if hp.lr_schedule == "step":
+            return WarmupMultiStep(steps_per_epoch, hp.warmup_epochs, hp.milestones, hp.lr_gamma, hp.warmup_method,
+                                   hp.warmup_decay)  # fmt: skip
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs < 1:
+            raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
+        return WarmupCosine(steps_per_epoch, max_epochs, hp.warmup_epochs, hp.warmup_method, hp.warmup_decay)
 
-    def _sgd_implementation(self) -> dict[str, bool]:
-        fused = self.hparams.get("fused_optimizer")
+    def _fused(self) -> bool:
+        fused = self.hparams.fused_optimizer
         if fused is None:
             device = next(self.model.parameters()).device.type
             trainer = attached_trainer(self)
             apex = trainer is not None and isinstance(trainer.precision_plugin, ApexAMP)
             clip = trainer.gradient_clip_val if trainer is not None else None
-            fused = optim.fused_by_default(self.hparams.get("optimizer", "sgd"), device, apex, clip)
-        return {"fused": True} if fused else {}
+            fused = optim.fused_by_default(self.hparams.optimizer, device, apex, clip)
+        return bool(fused)
 
     @override
     def on_train_start(self) -> None:
         """Scales the base rates by the global batch, sets the schedule's steps per epoch and the EMA's decay."""
-        if self.hparams.freeze_backbone_epochs:
-            # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
-            self.set_backbone_frozen(self.backbone_frozen)
+        self._freeze_backbone()  # a run resumed part-way through an epoch gets no on_train_epoch_start for it
         if self.ema is not None:
             batch, epochs = optim.global_batch_size(self.trainer), max(1, self.trainer.max_epochs or 1)
             self._ema_decay = adjusted_decay(self.hparams.ema_decay, batch, self.hparams.ema_steps, epochs)
@@ -423,12 +414,17 @@ class ImageClassifier(pl.LightningModule):
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
         global_batch, steps = optim.global_batch_size(self.trainer), optim.steps_per_epoch(self.trainer)
-        base_lr = scaled_lr(self.hparams.lr, global_batch)
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
             self._move_schedule(scheduler, grid, global_batch, steps)
-        scales = [group["lr_scale"] for group in self._parameter_groups()]  # the optimizer's groups, in order
-        optim.restart_schedule(scheduler, [base_lr * scale for scale in scales], lambda: self._schedule(steps))
+        base_lr = scaled_lr(self.hparams.lr, global_batch)
+        # This run's scales, of the optimizer's groups in order, and its schedules: a resumed LambdaLR and optimizer
+        # hold the checkpoint's, whose settings this run may have changed.
+        scheduler.base_lrs = [base_lr * group["lr_scale"] for group in self._parameter_groups()]
+        scheduler.lr_lambdas = [self._schedule(steps) for _ in scheduler.lr_lambdas]
+        for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * schedule(scheduler.last_epoch)
 
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
