@@ -29,7 +29,7 @@ from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normaliz
 from lit_imagenet.errors import ConfigError
 from lit_imagenet.training import mixing, models, optim
 from lit_imagenet.training.ema import WeightEMA, adjusted_decay
-from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
+from lit_imagenet.training.metrics import accuracy_metrics, topk_hits
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
 from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, check_warmup, scaled_lr
@@ -59,21 +59,19 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
         channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
         class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
-        compile: ``torch.compile`` the network in place. ``false``: eager. ``true``/``default``: compiled.
-            ``cudagraphs``: ``reduce-overhead`` on one CUDA process without accumulation, else ``default``.
-            ``auto``: ``default`` on CUDA, eager elsewhere. Apex AMP runs eager.
-        fused_optimizer: Use the fused CUDA SGD or AdamW kernel (it also unscales float16 gradients). ``None``: on
-            when the parameters are on a CUDA device, the precision is not apex AMP's (which manages the optimizer)
-            and ``--trainer.gradient_clip_val`` is not set (Lightning clips only gradients it unscaled itself).
+        compile: ``torch.compile`` the network in place: ``false`` (eager), ``true``/``default``, ``cudagraphs``
+            (``reduce-overhead`` on one CUDA process without accumulation, else ``default``) or ``auto`` (``default``
+            on CUDA, eager elsewhere). Apex AMP runs eager.
+        fused_optimizer: Use the fused SGD or AdamW kernel. ``None``: on CUDA, but not under apex AMP (which manages
+            the optimizer) nor with ``--trainer.gradient_clip_val`` (Lightning clips only what it unscaled itself).
         optimizer: ``sgd``; ``adamw``; ``rmsprop`` (torchvision's: eps 0.0316, alpha 0.9, with ``momentum``).
         label_smoothing: The cross-entropy's label smoothing, in training and evaluation.
         mixup_alpha: MixUp's Beta(alpha, alpha) on the training batch (0: off).
         cutmix_alpha: CutMix's Beta(alpha, alpha) on the training batch (0: off); with both on, one of the two
-            per batch. The batch's draws come from the data seed, rank, epoch and batch. Training top-1 and top-5
-            then count against each image's dominant label (the largest share of its soft target).
-        ema_decay: Keep an exponential moving average of the weights with this decay, adjusted as torchvision does
-            (``1 - min(1, (1 - decay) * global batch * ema_steps / max_epochs)``); 0: no EMA. Validation reports
-            the EMA's figures under ``val_ema/`` beside the raw weights' ``val/``.
+            per batch, drawn from the data seed, rank, epoch and batch. Training accuracy then counts against each
+            image's dominant label.
+        ema_decay: Keep an exponential moving average of the weights with this decay, adjusted as torchvision does;
+            0: no EMA. Validation reports its figures under ``val_ema/`` beside the raw weights' ``val/``.
         ema_steps: Update the EMA every this many optimizer steps.
         ema_warmup_epochs: During these first epochs the EMA is a copy of the weights. ``None``: ``warmup_epochs``.
         eval_weights: The weights that ``test``, ``predict`` and ``forward`` in eval mode use: ``raw`` or ``ema``.
@@ -151,7 +149,7 @@ class ImageClassifier(pl.LightningModule):
         self.ema = WeightEMA(self.model) if ema_decay else None
         self._ema_decay = ema_decay
         # No host sync per training step: no label check, no NaN check (NonFiniteGuard watches the loss on the device).
-        self.train_metrics = train_accuracy_metrics(num_classes, "train/")
+        self.train_metrics = accuracy_metrics(num_classes, "train/", sync_free=True)
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
         self.train_loss = MeanMetric(nan_strategy="disable")
@@ -186,9 +184,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _logits(self, images: Tensor, network: nn.Module) -> Tensor:
         out = network(self._normalized(images))
-        if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
-            out = out[0]
-        return out
+        return out if isinstance(out, Tensor) else out[0]  # GoogLeNet and Inception add auxiliary logits in training
 
     @override
     def setup(self, stage: str) -> None:
@@ -197,7 +193,7 @@ class ImageClassifier(pl.LightningModule):
             self.model.to(memory_format=torch.channels_last)
             if self.ema is not None:
                 self.ema.to(memory_format=torch.channels_last)
-        if self.hparams.get("compile") and stage == "fit" and not self._compiled:
+        if self.hparams.compile and stage == "fit" and not self._compiled:
             self._compile()
 
     def _compile(self) -> None:
@@ -276,18 +272,16 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
-        images, targets = batch[0], batch[1]
+        images, labels = batch[0], batch[1]
+        targets = labels  # soft ones under MixUp/CutMix
         if self.mixer is not None:
-            images, soft = mixing.mix_batch(self.mixer, self._normalized(images), targets, self._mix_seed(batch_idx))
-            logits = self._logits(images, self.model)
-            loss = self.criterion(logits, soft)
-            targets = soft.argmax(dim=1)  # the accuracies count against each image's dominant label
-        else:
-            logits = self._logits(images, self.model)
-            loss = self.criterion(logits, targets)
+            images, targets = mixing.mix_batch(self.mixer, self._normalized(images), labels, self._mix_seed(batch_idx))
+            labels = targets.argmax(dim=1)  # the accuracies count against each image's dominant label
+        logits = self._logits(images, self.model)
+        loss = self.criterion(logits, targets)
         # The epoch totals cover every batch; they stay on the device until the epoch ends.
         self.train_loss.update(loss.detach())
-        self.train_metrics.update(logits.detach(), targets)
+        self.train_metrics.update(logits.detach(), labels)
         if attached_trainer(self) is None or self._logs_this_step(batch_idx):
             # Metric objects are logged so that Lightning computes and syncs them once per epoch, not every step.
             self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
@@ -295,7 +289,7 @@ class ImageClassifier(pl.LightningModule):
                 self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
             # Copied to the host now, logged in on_train_batch_end once backward and step are queued: no GPU wait.
             logits, ks = logits.detach(), [metric.k for metric in self.train_metrics.values()]
-            figures = [loss.detach().float(), *(topk_hits(logits, targets, k).float().mean() for k in ks)]
+            figures = [loss.detach().float(), *(topk_hits(logits, labels, k).float().mean() for k in ks)]
             self._step_figures = copy_to_host(torch.stack(figures))
         return loss
 
