@@ -64,19 +64,15 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     except Exception as err:
         raise ValueError(f"Cannot load weights file {path} safely ({err}); it must be a file of tensors.") from None
     state = extract_state_dict(obj, str(path))
-    own = model.state_dict()
-    head = classifier_name(model)
-    skipped = []
-    for key in list(state):
-        if key in own and state[key].shape != own[key].shape:
-            if key.startswith(head + "."):
-                del state[key]
-                skipped.append(key)
-            else:
-                raise ValueError(
-                    f"{path}: {key} has shape {tuple(state[key].shape)} but the model needs {tuple(own[key].shape)}; "
-                    "was it saved from another architecture?"
-                )
+    own, head = model.state_dict(), classifier_name(model) + "."
+    skipped = [key for key in state if key in own and state[key].shape != own[key].shape]
+    for key in skipped:
+        if not key.startswith(head):
+            raise ValueError(
+                f"{path}: {key} has shape {tuple(state[key].shape)} but the model needs {tuple(own[key].shape)}; "
+                "was it saved from another architecture?"
+            )
+        del state[key]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in skipped]
     if missing or unexpected:
