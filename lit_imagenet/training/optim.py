@@ -75,9 +75,7 @@ def build_optimizer(
     groups = [{**group, "lr": lr * group["lr_scale"]} for group in groups]
     extra: dict[str, Any] = {"fused": True} if fused and name != "rmsprop" else {}
     if name == "sgd":
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(
-            groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra
-        )
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
         if fused and momentum != 0:
             # Fused SGD makes its buffers with empty_like, left garbage by a first step the gradient scaler skips.
             for group in groups:

@@ -91,8 +91,6 @@ class WarmupCosine(_Warmup):
         warmup_method: str = "linear",
         warmup_decay: float | None = None,
     ) -> None:
-        if max_epochs < 1:
-            raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
             raise ConfigError(
                 f"The cosine schedule decays after the warmup: --model.warmup_epochs ({warmup_epochs}) must be "
