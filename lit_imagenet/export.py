@@ -23,17 +23,13 @@ def load_network(checkpoint_path: str | Path, weights: Literal["raw", "ema"] = "
     hparams = ckpt.get("hyper_parameters") if isinstance(ckpt, dict) else None
     if not hparams or "arch" not in hparams or "state_dict" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint of this project (no hyperparameters); export needs one.")
-    network = build_model(hparams["arch"], hparams["num_classes"])
-    if weights == "ema":
-        prefix = "ema.module."
-        state = {k.removeprefix(prefix): v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
-        if not state:
-            raise ValueError(f"{path} holds no EMA weights (trained with --model.ema_decay 0); export its raw weights.")
-        network.load_state_dict(extract_state_dict(state, str(path)))
-    elif weights == "raw":
-        network.load_state_dict(extract_state_dict(ckpt, str(path)))
-    else:
+    if weights not in ("raw", "ema"):
         raise ValueError(f"weights must be 'raw' or 'ema'. Got {weights!r}")
+    state = {k.removeprefix("ema.module."): v for k, v in ckpt["state_dict"].items() if k.startswith("ema.module.")}
+    if weights == "ema" and not state:
+        raise ValueError(f"{path} holds no EMA weights (trained with --model.ema_decay 0); export its raw weights.")
+    network = build_model(hparams["arch"], hparams["num_classes"])
+    network.load_state_dict(extract_state_dict(state if weights == "ema" else ckpt, str(path)))
     return network.eval(), dict(hparams)
 
 

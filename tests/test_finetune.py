@@ -9,7 +9,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 from lit_imagenet import ImageClassifier, ImageFolderDataModule
-from lit_imagenet.training.models import build_model
+from lit_imagenet.training.models import backbone_parameters, build_model
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -89,7 +89,7 @@ class _Watch(pl.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         head, backbone = trainer.optimizers[0].param_groups
         bn = pl_module.model.bn1
-        grad = all(p.requires_grad for p in pl_module.backbone_parameters())
+        grad = all(p.requires_grad for p in backbone_parameters(pl_module.model, pl_module.head_name))
         self.rows.append((trainer.current_epoch, head["lr"], backbone["lr"], bn.training, grad))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:

@@ -129,9 +129,9 @@ def test_compile_caches_go_under_the_run_root_unless_the_user_chose_a_folder(
 
 def test_sgd_is_fused_only_where_it_can_be() -> None:
     model = ImageClassifier("resnet18", num_classes=3)
-    assert model._sgd_implementation() == {}  # CPU parameters, no trainer
+    assert not model._fused()  # CPU parameters, no trainer
     model.hparams.fused_optimizer = True
-    assert model._sgd_implementation() == {"fused": True}
+    assert model._fused()
 
 
 def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> None:

@@ -1,9 +1,7 @@
 """An exponential moving average of a network's weights, as torchvision's reference keeps it (``--model-ema``).
 
-Lightning's ``EMAWeightAveraging`` swaps the averaged weights in for validation, so that one set is reported, puts
-them in the checkpoint's ``state_dict`` and deep-copies the whole LightningModule. ``WeightEMA`` copies the network
-alone, a submodule of the LightningModule (so its weights are in the ``state_dict`` beside the raw ones and a resumed
-run continues them), validated beside the raw weights.
+Not Lightning's ``EMAWeightAveraging``, which swaps the average in for validation and deep-copies the whole module:
+``WeightEMA`` is a submodule holding a copy of the network alone, saved and validated beside the raw weights.
 """
 
 from __future__ import annotations
@@ -45,16 +43,14 @@ class WeightEMA(nn.Module):
     @torch.no_grad()
     def update(self, network: nn.Module, decay: float | None) -> None:
         """``ema = decay * ema + (1 - decay) * weight`` for every parameter and buffer; ``None``: a copy."""
-        mine = list(itertools.chain(self.module.parameters(), self.module.buffers()))
-        theirs = list(itertools.chain(network.parameters(), network.buffers()))
-        if len(mine) != len(theirs):
-            raise ValueError(f"The EMA holds {len(mine)} tensors, the network {len(theirs)}.")
+        mine = itertools.chain(self.module.parameters(), self.module.buffers())
+        pairs = list(zip(mine, itertools.chain(network.parameters(), network.buffers()), strict=True))
         if decay is None:
-            for average, weight in zip(mine, theirs):
+            for average, weight in pairs:
                 average.copy_(weight)
             return
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-        for average, weight in zip(mine, theirs):
+        for average, weight in pairs:
             pair = groups.setdefault((average.device, average.dtype), ([], []))
             pair[0].append(average)
             pair[1].append(weight.detach())

@@ -7,11 +7,13 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.classification import MulticlassAccuracy
 
 
-def accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks."""
-    top1, top5 = (MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in (1, min(5, num_classes)))
+def accuracy_metrics(num_classes: int, prefix: str, sync_free: bool = False) -> MetricCollection:
+    """Top-1 and top-5 accuracy (top-k capped at the number of classes), summed exactly across ranks; ``sync_free``
+    for training steps: the same figures from ``TopKAccuracy``."""
+    ks = (1, min(5, num_classes))
+    top = [TopKAccuracy(k) if sync_free else MulticlassAccuracy(num_classes, top_k=k, average="micro") for k in ks]
     # No compute groups: they merge metrics whose states happen to be equal after a batch.
-    return MetricCollection({"top1": top1, "top5": top5}, prefix=prefix, compute_groups=False)
+    return MetricCollection({"top1": top[0], "top5": top[1]}, prefix=prefix, compute_groups=False)
 
 
 class TopKAccuracy(MeanMetric):
@@ -30,10 +32,3 @@ def topk_hits(logits: Tensor, targets: Tensor, k: int) -> Tensor:
     """Per sample, whether its label is among the ``k`` highest logits (``k`` capped at the number of classes)."""
     k = min(k, logits.shape[1])
     return (logits.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)
-
-
-def train_accuracy_metrics(num_classes: int, prefix: str) -> MetricCollection:
-    """Top-1 and top-5 accuracy for training steps: the same figures as ``accuracy_metrics``, sync-free."""
-    return MetricCollection(
-        {"top1": TopKAccuracy(1), "top5": TopKAccuracy(min(5, num_classes))}, prefix=prefix, compute_groups=False
-    )

@@ -16,14 +16,11 @@ def batch_mixer(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> v2
     if mixup_alpha < 0 or cutmix_alpha < 0:
         alphas = f"{mixup_alpha}, {cutmix_alpha}"
         raise ConfigError(f"--model.mixup_alpha and cutmix_alpha must be at least 0, not {alphas}.")
-    mixers: list[v2.Transform] = []
-    if mixup_alpha > 0:
-        mixers.append(v2.MixUp(alpha=mixup_alpha, num_classes=num_classes))
-    if cutmix_alpha > 0:
-        mixers.append(v2.CutMix(alpha=cutmix_alpha, num_classes=num_classes))
-    if not mixers:
-        return None
-    return mixers[0] if len(mixers) == 1 else v2.RandomChoice(mixers)
+    kinds = ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha))
+    mixers: list[v2.Transform] = [kind(alpha=alpha, num_classes=num_classes) for kind, alpha in kinds if alpha > 0]
+    if len(mixers) < 2:
+        return mixers[0] if mixers else None
+    return v2.RandomChoice(mixers)
 
 
 def mix_seed(*keys: int) -> int:

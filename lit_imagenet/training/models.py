@@ -25,7 +25,6 @@ def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
     """Swaps the final ``nn.Linear`` for a new one with ``num_classes`` outputs (no-op if it has them)."""
     name = classifier_name(model)
     head = model.get_submodule(name)
-    assert isinstance(head, nn.Linear)
     if head.out_features == num_classes:
         return model
     parent_name, _, attr = name.rpartition(".")
@@ -65,19 +64,15 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
     except Exception as err:
         raise ValueError(f"Cannot load weights file {path} safely ({err}); it must be a file of tensors.") from None
     state = extract_state_dict(obj, str(path))
-    own = model.state_dict()
-    head = classifier_name(model)
-    skipped = []
-    for key in list(state):
-        if key in own and state[key].shape != own[key].shape:
-            if key.startswith(head + "."):
-                del state[key]
-                skipped.append(key)
-            else:
-                raise ValueError(
-                    f"{path}: {key} has shape {tuple(state[key].shape)} but the model needs {tuple(own[key].shape)}; "
-                    "was it saved from another architecture?"
-                )
+    own, head = model.state_dict(), classifier_name(model) + "."
+    skipped = [key for key in state if key in own and state[key].shape != own[key].shape]
+    for key in skipped:
+        if not key.startswith(head):
+            raise ValueError(
+                f"{path}: {key} has shape {tuple(state[key].shape)} but the model needs {tuple(own[key].shape)}; "
+                "was it saved from another architecture?"
+            )
+        del state[key]
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if k not in skipped]
     if missing or unexpected:
@@ -112,14 +107,9 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
     return replace_head(model, num_classes)
 
 
-def head_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter]:
-    """Parameters of the classifier head, the submodule ``head_name``."""
-    return list(network.get_submodule(head_name).parameters())
-
-
 def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter]:
-    """Parameters of the network but its classifier head."""
-    head = {id(p) for p in head_parameters(network, head_name)}
+    """Parameters of the network but its classifier head, the submodule ``head_name``."""
+    head = {id(p) for p in network.get_submodule(head_name).parameters()}
     return [p for p in network.parameters() if id(p) not in head]
 
 

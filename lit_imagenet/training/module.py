@@ -29,7 +29,7 @@ from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD, Uint8Normaliz
 from lit_imagenet.errors import ConfigError
 from lit_imagenet.training import mixing, models, optim
 from lit_imagenet.training.ema import WeightEMA, adjusted_decay
-from lit_imagenet.training.metrics import accuracy_metrics, topk_hits, train_accuracy_metrics
+from lit_imagenet.training.metrics import accuracy_metrics, topk_hits
 from lit_imagenet.training.precision import ApexAMP
 from lit_imagenet.training.readback import copy_to_host, read_host_copy, sync_device
 from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep, check_warmup, scaled_lr
@@ -59,21 +59,19 @@ class ImageClassifier(pl.LightningModule):
         backbone_lr_scale: The network but its classifier head learns at the learning rate times this.
         channels_last: Keep the network in channels_last memory format. ``None``: on a CUDA device.
         class_names: Class names in label order, stored in checkpoints; the command line takes them from the data.
-        compile: ``torch.compile`` the network in place. ``false``: eager. ``true``/``default``: compiled.
-            ``cudagraphs``: ``reduce-overhead`` on one CUDA process without accumulation, else ``default``.
-            ``auto``: ``default`` on CUDA, eager elsewhere. Apex AMP runs eager.
-        fused_optimizer: Use the fused CUDA SGD or AdamW kernel (it also unscales float16 gradients). ``None``: on
-            when the parameters are on a CUDA device, the precision is not apex AMP's (which manages the optimizer)
-            and ``--trainer.gradient_clip_val`` is not set (Lightning clips only gradients it unscaled itself).
+        compile: ``torch.compile`` the network in place: ``false`` (eager), ``true``/``default``, ``cudagraphs``
+            (``reduce-overhead`` on one CUDA process without accumulation, else ``default``) or ``auto`` (``default``
+            on CUDA, eager elsewhere). Apex AMP runs eager.
+        fused_optimizer: Use the fused SGD or AdamW kernel. ``None``: on CUDA, but not under apex AMP (which manages
+            the optimizer) nor with ``--trainer.gradient_clip_val`` (Lightning clips only what it unscaled itself).
         optimizer: ``sgd``; ``adamw``; ``rmsprop`` (torchvision's: eps 0.0316, alpha 0.9, with ``momentum``).
         label_smoothing: The cross-entropy's label smoothing, in training and evaluation.
         mixup_alpha: MixUp's Beta(alpha, alpha) on the training batch (0: off).
         cutmix_alpha: CutMix's Beta(alpha, alpha) on the training batch (0: off); with both on, one of the two
-            per batch. The batch's draws come from the data seed, rank, epoch and batch. Training top-1 and top-5
-            then count against each image's dominant label (the largest share of its soft target).
-        ema_decay: Keep an exponential moving average of the weights with this decay, adjusted as torchvision does
-            (``1 - min(1, (1 - decay) * global batch * ema_steps / max_epochs)``); 0: no EMA. Validation reports
-            the EMA's figures under ``val_ema/`` beside the raw weights' ``val/``.
+            per batch, drawn from the data seed, rank, epoch and batch. Training accuracy then counts against each
+            image's dominant label.
+        ema_decay: Keep an exponential moving average of the weights with this decay, adjusted as torchvision does;
+            0: no EMA. Validation reports its figures under ``val_ema/`` beside the raw weights' ``val/``.
         ema_steps: Update the EMA every this many optimizer steps.
         ema_warmup_epochs: During these first epochs the EMA is a copy of the weights. ``None``: ``warmup_epochs``.
         eval_weights: The weights that ``test``, ``predict`` and ``forward`` in eval mode use: ``raw`` or ``ema``.
@@ -151,7 +149,7 @@ class ImageClassifier(pl.LightningModule):
         self.ema = WeightEMA(self.model) if ema_decay else None
         self._ema_decay = ema_decay
         # No host sync per training step: no label check, no NaN check (NonFiniteGuard watches the loss on the device).
-        self.train_metrics = train_accuracy_metrics(num_classes, "train/")
+        self.train_metrics = accuracy_metrics(num_classes, "train/", sync_free=True)
         self.val_metrics = accuracy_metrics(num_classes, "val/")
         self.test_metrics = accuracy_metrics(num_classes, "test/")
         self.train_loss = MeanMetric(nan_strategy="disable")
@@ -186,9 +184,7 @@ class ImageClassifier(pl.LightningModule):
 
     def _logits(self, images: Tensor, network: nn.Module) -> Tensor:
         out = network(self._normalized(images))
-        if not isinstance(out, Tensor):  # GoogLeNet and Inception return auxiliary logits in training
-            out = out[0]
-        return out
+        return out if isinstance(out, Tensor) else out[0]  # GoogLeNet and Inception add auxiliary logits in training
 
     @override
     def setup(self, stage: str) -> None:
@@ -197,7 +193,7 @@ class ImageClassifier(pl.LightningModule):
             self.model.to(memory_format=torch.channels_last)
             if self.ema is not None:
                 self.ema.to(memory_format=torch.channels_last)
-        if self.hparams.get("compile") and stage == "fit" and not self._compiled:
+        if self.hparams.compile and stage == "fit" and not self._compiled:
             self._compile()
 
     def _compile(self) -> None:
@@ -238,28 +234,20 @@ class ImageClassifier(pl.LightningModule):
             return "default", "gradients accumulated over the replays of one graph would be overwritten"
         return "cudagraphs", None
 
-    def backbone_parameters(self) -> list[nn.Parameter]:
-        """Parameters of the network but its classifier head."""
-        return models.backbone_parameters(self.model, self.head_name)
-
-    def set_backbone_frozen(self, frozen: bool) -> None:
-        """Stops (or restarts) training of everything but the classifier head (``models.set_backbone_frozen``)."""
-        models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
-
-    @property
-    def backbone_frozen(self) -> bool:
-        """Whether the current epoch is one of the first ``freeze_backbone_epochs``."""
-        return attached_trainer(self) is not None and self.current_epoch < self.hparams.freeze_backbone_epochs
+    def _freeze_backbone(self, end: bool = False) -> None:
+        """Freezes all but the classifier head in the first ``freeze_backbone_epochs``, unfreezes it after them."""
+        epochs = self.hparams.freeze_backbone_epochs
+        if epochs:
+            frozen = not end and self.current_epoch < epochs
+            models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
 
     @override
     def on_train_epoch_start(self) -> None:
-        if self.hparams.freeze_backbone_epochs:
-            self.set_backbone_frozen(self.backbone_frozen)
+        self._freeze_backbone()
 
     @override
     def on_train_end(self) -> None:
-        if self.hparams.freeze_backbone_epochs:
-            self.set_backbone_frozen(False)
+        self._freeze_backbone(end=True)
 
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -284,18 +272,16 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def training_step(self, batch: Sequence[Tensor], batch_idx: int) -> Tensor:
-        images, targets = batch[0], batch[1]
+        images, labels = batch[0], batch[1]
+        targets = labels  # soft ones under MixUp/CutMix
         if self.mixer is not None:
-            images, soft = mixing.mix_batch(self.mixer, self._normalized(images), targets, self._mix_seed(batch_idx))
-            logits = self._logits(images, self.model)
-            loss = self.criterion(logits, soft)
-            targets = soft.argmax(dim=1)  # the accuracies count against each image's dominant label
-        else:
-            logits = self._logits(images, self.model)
-            loss = self.criterion(logits, targets)
+            images, targets = mixing.mix_batch(self.mixer, self._normalized(images), labels, self._mix_seed(batch_idx))
+            labels = targets.argmax(dim=1)  # the accuracies count against each image's dominant label
+        logits = self._logits(images, self.model)
+        loss = self.criterion(logits, targets)
         # The epoch totals cover every batch; they stay on the device until the epoch ends.
         self.train_loss.update(loss.detach())
-        self.train_metrics.update(logits.detach(), targets)
+        self.train_metrics.update(logits.detach(), labels)
         if attached_trainer(self) is None or self._logs_this_step(batch_idx):
             # Metric objects are logged so that Lightning computes and syncs them once per epoch, not every step.
             self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
@@ -303,7 +289,7 @@ class ImageClassifier(pl.LightningModule):
                 self.log(f"{name}_epoch", metric, on_step=False, on_epoch=True)
             # Copied to the host now, logged in on_train_batch_end once backward and step are queued: no GPU wait.
             logits, ks = logits.detach(), [metric.k for metric in self.train_metrics.values()]
-            figures = [loss.detach().float(), *(topk_hits(logits, targets, k).float().mean() for k in ks)]
+            figures = [loss.detach().float(), *(topk_hits(logits, labels, k).float().mean() for k in ks)]
             self._step_figures = copy_to_host(torch.stack(figures))
         return loss
 
@@ -336,14 +322,11 @@ class ImageClassifier(pl.LightningModule):
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         # Here rather than in on_train_batch_end: a step checkpoint, saved before that hook, holds this update.
-        if self.ema is not None and attached_trainer(self) is not None:
-            self._update_ema(self.trainer.global_step + 1)  # Lightning counts this step once the hook returns
-
-    def _update_ema(self, steps_done: int) -> None:
-        """Every ``ema_steps`` steps: the average, or a copy while the last update was in the EMA's warmup epochs
-        (torchvision resets its average then)."""
-        if self.ema is None or steps_done % self.hparams.ema_steps:
+        if self.ema is None or attached_trainer(self) is None:
             return
+        if (self.trainer.global_step + 1) % self.hparams.ema_steps:  # Lightning counts this step once the hook returns
+            return
+        # The average, or a copy while the last update was in the EMA's warmup epochs (torchvision resets it then).
         warmup = self.hparams.ema_warmup_epochs
         warmup = self.hparams.warmup_epochs if warmup is None else warmup
         self.ema.update(self.model, None if self.ema.fresh else self._ema_decay)
@@ -364,7 +347,7 @@ class ImageClassifier(pl.LightningModule):
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, self.val_loss, self.model)
-        if self.ema is not None and self.val_ema_metrics is not None and self.val_ema_loss is not None:
+        if self.ema is not None:
             self._eval_step(batch, self.val_ema_metrics, self.val_ema_loss, self.ema)
 
     @override
@@ -382,9 +365,8 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         # The rates need the training loader, which loaded this early would restart a resumed epoch: see on_train_start.
         hp = self.hparams
-        fused = bool(self._sgd_implementation().get("fused"))
-        optimizer = optim.build_optimizer(hp.get("optimizer", "sgd"), self._parameter_groups(), hp.lr, hp.momentum,
-                                          hp.weight_decay, fused)  # fmt: skip
+        groups = self._parameter_groups()
+        optimizer = optim.build_optimizer(hp.optimizer, groups, hp.lr, hp.momentum, hp.weight_decay, self._fused())
         # LambdaLR scales every group alike.
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, self._schedule(steps_per_epoch=1))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -392,30 +374,33 @@ class ImageClassifier(pl.LightningModule):
     def _parameter_groups(self) -> list[dict[str, Any]]:
         hp = self.hparams
         return optim.parameter_groups(self.model, self.head_name, hp.backbone_lr_scale, hp.weight_decay,
-                                      hp.get("norm_weight_decay"), hp.get("bias_weight_decay"))  # fmt: skip
+                                      hp.norm_weight_decay, hp.bias_weight_decay)  # fmt: skip
 
     def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
+        """The rate multiplier per step: ``step`` (warmup, then ``lr_gamma`` at each milestone) or ``cosine``."""
         hp = self.hparams
-        max_epochs = self.trainer.max_epochs if hp.lr_schedule == "cosine" else None
-        return optim.make_schedule(hp.lr_schedule, steps_per_epoch, max_epochs, hp.warmup_epochs, hp.milestones,
-                                   hp.lr_gamma, hp.get("warmup_method", "linear"), hp.get("warmup_decay"))  # fmt: skip
+        if hp.lr_schedule == "step":
+            return WarmupMultiStep(steps_per_epoch, hp.warmup_epochs, hp.milestones, hp.lr_gamma, hp.warmup_method,
+                                   hp.warmup_decay)  # fmt: skip
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is None or max_epochs < 1:
+            raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
+        return WarmupCosine(steps_per_epoch, max_epochs, hp.warmup_epochs, hp.warmup_method, hp.warmup_decay)
 
-    def _sgd_implementation(self) -> dict[str, bool]:
-        fused = self.hparams.get("fused_optimizer")
+    def _fused(self) -> bool:
+        fused = self.hparams.fused_optimizer
         if fused is None:
             device = next(self.model.parameters()).device.type
             trainer = attached_trainer(self)
             apex = trainer is not None and isinstance(trainer.precision_plugin, ApexAMP)
             clip = trainer.gradient_clip_val if trainer is not None else None
-            fused = optim.fused_by_default(self.hparams.get("optimizer", "sgd"), device, apex, clip)
-        return {"fused": True} if fused else {}
+            fused = optim.fused_by_default(self.hparams.optimizer, device, apex, clip)
+        return bool(fused)
 
     @override
     def on_train_start(self) -> None:
         """Scales the base rates by the global batch, sets the schedule's steps per epoch and the EMA's decay."""
-        if self.hparams.freeze_backbone_epochs:
-            # A run resumed part-way through an epoch gets no on_train_epoch_start for that epoch.
-            self.set_backbone_frozen(self.backbone_frozen)
+        self._freeze_backbone()  # a run resumed part-way through an epoch gets no on_train_epoch_start for it
         if self.ema is not None:
             batch, epochs = optim.global_batch_size(self.trainer), max(1, self.trainer.max_epochs or 1)
             self._ema_decay = adjusted_decay(self.hparams.ema_decay, batch, self.hparams.ema_steps, epochs)
@@ -423,12 +408,17 @@ class ImageClassifier(pl.LightningModule):
         if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
             return  # an optimizer or scheduler given on the command line replaces ours
         global_batch, steps = optim.global_batch_size(self.trainer), optim.steps_per_epoch(self.trainer)
-        base_lr = scaled_lr(self.hparams.lr, global_batch)
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
             self._move_schedule(scheduler, grid, global_batch, steps)
-        scales = [group["lr_scale"] for group in self._parameter_groups()]  # the optimizer's groups, in order
-        optim.restart_schedule(scheduler, [base_lr * scale for scale in scales], lambda: self._schedule(steps))
+        base_lr = scaled_lr(self.hparams.lr, global_batch)
+        # This run's scales, of the optimizer's groups in order, and its schedules: a resumed LambdaLR and optimizer
+        # hold the checkpoint's, whose settings this run may have changed.
+        scheduler.base_lrs = [base_lr * group["lr_scale"] for group in self._parameter_groups()]
+        scheduler.lr_lambdas = [self._schedule(steps) for _ in scheduler.lr_lambdas]
+        for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"] = base
+            group["lr"] = base * schedule(scheduler.last_epoch)
 
     def _move_schedule(
         self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int

@@ -1,17 +1,14 @@
-"""The optimizer (the reference's SGD, AdamW, RMSprop), its parameter groups and its schedule; ``restart_schedule``
-sets the rates once the loader is built."""
+"""The optimizer (the reference's SGD, AdamW, RMSprop), its parameter groups, and the loader's figures that its
+rates depend on."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 from torch import nn
-
-from lit_imagenet.training.schedule import WarmupCosine, WarmupMultiStep
 
 
 def global_batch_size(trainer: pl.Trainer) -> int:
@@ -78,9 +75,7 @@ def build_optimizer(
     groups = [{**group, "lr": lr * group["lr_scale"]} for group in groups]
     extra: dict[str, Any] = {"fused": True} if fused and name != "rmsprop" else {}
     if name == "sgd":
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(
-            groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra
-        )
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
         if fused and momentum != 0:
             # Fused SGD makes its buffers with empty_like, left garbage by a first step the gradient scaler skips.
             for group in groups:
@@ -98,36 +93,3 @@ def fused_by_default(name: str, device_type: str, apex: bool, gradient_clip_val:
     """Whether ``name`` runs fused when not told: SGD and AdamW on CUDA, but under apex AMP (which manages the
     optimizer) or with gradient clipping (Lightning refuses to clip for an optimizer that unscales by itself)."""
     return name in ("sgd", "adamw") and device_type == "cuda" and not apex and not gradient_clip_val
-
-
-def make_schedule(
-    kind: str,
-    steps_per_epoch: int,
-    max_epochs: int | None,
-    warmup_epochs: int,
-    milestones: Sequence[int],
-    gamma: float,
-    warmup_method: str = "linear",
-    warmup_decay: float | None = None,
-) -> WarmupMultiStep | WarmupCosine:
-    """The rate multiplier per step: ``step`` (warmup, then ``gamma`` at each milestone) or ``cosine``."""
-    if kind == "cosine":
-        if max_epochs is None or max_epochs < 1:
-            raise ValueError("The cosine schedule decays over trainer.max_epochs; set --trainer.max_epochs.")
-        return WarmupCosine(steps_per_epoch, max_epochs, warmup_epochs, warmup_method, warmup_decay)
-    return WarmupMultiStep(steps_per_epoch, warmup_epochs, milestones, gamma, warmup_method, warmup_decay)
-
-
-def restart_schedule(
-    scheduler: torch.optim.lr_scheduler.LambdaLR,
-    base_lrs: Sequence[float],
-    schedule: Callable[[], Callable[[int], float]],
-) -> None:
-    """Gives each parameter group a new base rate and a fresh ``schedule()``, and sets its rate to match."""
-    scheduler.base_lrs = list(base_lrs)
-    # Afresh: a resumed LambdaLR holds the checkpoint's schedules, whose settings this run may have changed.
-    scheduler.lr_lambdas = [schedule() for _ in scheduler.lr_lambdas]
-    optimizer = scheduler.optimizer
-    for group, base, lam in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-        group["initial_lr"] = base
-        group["lr"] = base * lam(scheduler.last_epoch)

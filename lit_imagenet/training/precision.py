@@ -20,7 +20,6 @@ from lit_imagenet.errors import ConfigError
 from lit_imagenet.training.models import BATCH_NORMS
 
 OptLevel = Literal["O0", "O1", "O2", "O3"]
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NATIVE_EQUIVALENT = {"O0": "32-true", "O1": "16-mixed", "O2": "16-mixed", "O3": "16-true"}
 
 
@@ -64,16 +63,14 @@ class ApexAMP(Precision):
         loss_scale: A fixed loss scale, or ``"dynamic"`` (apex's default for O1-O2).
     """
 
-    precision = "16-mixed"
-
     def __init__(
         self,
         opt_level: OptLevel = "O1",
         keep_batchnorm_fp32: bool | None = None,
         loss_scale: float | Literal["dynamic"] | None = None,
     ) -> None:
-        if opt_level not in OPT_LEVELS:
-            raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}. Got {opt_level!r}")
+        if opt_level not in NATIVE_EQUIVALENT:
+            raise ValueError(f"opt_level must be one of {', '.join(NATIVE_EQUIVALENT)}. Got {opt_level!r}")
         try:
             self._amp: Any = import_apex_amp()
             self._missing = ""
@@ -195,9 +192,6 @@ class StaticScaleMixedPrecision(MixedPrecision):
 class KeepBatchNormHalfPrecision(HalfPrecision):
     """Native ``16-true`` with batch norm layers kept in float32 (apex's O3 with keep_batchnorm_fp32)."""
 
-    def __init__(self) -> None:
-        super().__init__("16-true")
-
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         module = super().convert_module(module)
@@ -249,8 +243,8 @@ def resolve_amp(
         devices: Processes in the run; more than one with apex selects the ``ddp_apex`` strategy.
         device_type: The device type, for native autocast.
     """
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"opt_level must be one of {', '.join(OPT_LEVELS)}. Got {opt_level!r}")
+    if opt_level not in NATIVE_EQUIVALENT:
+        raise ValueError(f"opt_level must be one of {', '.join(NATIVE_EQUIVALENT)}. Got {opt_level!r}")
     scale = _parse_loss_scale(loss_scale)
     if backend in ("auto", "apex"):
         try:
@@ -262,17 +256,15 @@ def resolve_amp(
         else:
             bn, scale_name = (("apex default" if v is None else str(v)) for v in (keep_batchnorm_fp32, scale))
             message = f"AMP: apex amp {opt_level} (keep_batchnorm_fp32={bn}, loss_scale={scale_name})"
-            return AMPChoice(
-                None, ApexAMP(opt_level, keep_batchnorm_fp32, scale), "ddp_apex" if devices > 1 else None, message
-            )
+            plugin = ApexAMP(opt_level, keep_batchnorm_fp32, scale)
+            return AMPChoice(None, plugin, "ddp_apex" if devices > 1 else None, message)
     else:
         reason = "native AMP was asked for"
     native = NATIVE_EQUIVALENT[opt_level]
     note = f"AMP: native {native} for apex {opt_level} ({reason})"
     if native == "16-mixed" and isinstance(scale, float):
-        return AMPChoice(
-            None, StaticScaleMixedPrecision(scale, device_type), None, f"{note}, static loss scale {scale:g}"
-        )
+        plugin = StaticScaleMixedPrecision(scale, device_type)
+        return AMPChoice(None, plugin, None, f"{note}, static loss scale {scale:g}")
     if native == "16-true" and keep_batchnorm_fp32:
         return AMPChoice(None, KeepBatchNormHalfPrecision(), None, f"{note}, batch norm kept in float32")
     if native == "16-mixed" and keep_batchnorm_fp32 is False:

@@ -8,14 +8,6 @@ from collections.abc import Sequence
 from lit_imagenet.errors import ConfigError
 
 
-def warmup_factor(steps_done: int, warmup_steps: int, method: str, decay: float) -> float:
-    """torchvision's warmup multiplier for the next step while ``steps_done < warmup_steps``: ``linear`` from
-    ``decay`` to 1, ``constant`` ``decay`` throughout."""
-    if method == "constant":
-        return decay
-    return decay + (1.0 - decay) * steps_done / warmup_steps
-
-
 def check_warmup(method: str, decay: float | None) -> None:
     """Raises ``ConfigError`` for a warmup method other than ``linear``/``constant``, or a decay out of (0, 1]."""
     if method not in ("linear", "constant"):
@@ -33,11 +25,35 @@ def scaled_lr(lr_per_256: float, global_batch: int) -> float:
     return lr_per_256 * global_batch / 256.0
 
 
-class WarmupMultiStep:
+class _Warmup:
+    """What both schedules share: ``steps_per_epoch``, and the warmup over the first ``warmup_epochs``. A plain
+    object, so ``LambdaLR`` saves its attributes."""
+
+    def __init__(self, steps_per_epoch: int, warmup_epochs: int, method: str, decay: float | None) -> None:
+        if steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
+        if warmup_epochs < 0:
+            raise ValueError(f"warmup_epochs must not be negative. Got {warmup_epochs}")
+        check_warmup(method, decay)
+        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
+        self.warmup_method, self.warmup_decay = method, decay
+
+    def warmup(self, steps_done: int, ramp_start: int) -> float:
+        """The warmup's factor for the next step: without ``warmup_decay``, ``(ramp_start + steps_done) / warmup
+        steps``; with it, torchvision's: ``linear`` from ``warmup_decay`` to 1, ``constant`` ``warmup_decay``."""
+        steps = self.warmup_epochs * self.steps_per_epoch
+        if self.warmup_decay is None:
+            return (ramp_start + steps_done) / steps
+        if self.warmup_method == "constant":
+            return self.warmup_decay
+        return self.warmup_decay + (1.0 - self.warmup_decay) * steps_done / steps
+
+
+class WarmupMultiStep(_Warmup):
     """The reference's multiplier: called with the optimizer steps taken, the factor for the next step. The ``k``-th
     step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times ``(1 + k + e * steps_per_epoch) /
-    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``; with ``warmup_decay`` set, torchvision's
-    ``warmup_factor`` instead. A plain object, so ``LambdaLR`` saves it."""
+    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``; with ``warmup_decay`` set, torchvision's warmup
+    instead."""
 
     def __init__(
         self,
@@ -48,34 +64,24 @@ class WarmupMultiStep:
         warmup_method: str = "linear",
         warmup_decay: float | None = None,
     ) -> None:
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
-        if warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must not be negative. Got {warmup_epochs}")
         if list(milestones) != sorted(milestones):
             raise ValueError(f"milestones must be in increasing order. Got {list(milestones)}")
-        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
+        super().__init__(steps_per_epoch, warmup_epochs, warmup_method, warmup_decay)
         self.milestones = [int(m) for m in milestones]
         self.gamma = float(gamma)
-        check_warmup(warmup_method, warmup_decay)
-        self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
         epoch = steps_done // self.steps_per_epoch
         value = self.gamma ** sum(1 for m in self.milestones if epoch >= m)
         if epoch < self.warmup_epochs:
-            warmup = self.warmup_epochs * self.steps_per_epoch
-            if self.warmup_decay is None:
-                value *= (2 + steps_done) / warmup
-            else:
-                value *= warmup_factor(steps_done, warmup, self.warmup_method, self.warmup_decay)
+            value *= self.warmup(steps_done, 2)
         return value
 
 
-class WarmupCosine:
+class WarmupCosine(_Warmup):
     """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``; with ``warmup_decay`` set, torchvision's
-    ``warmup_factor``), then half a cosine down to 0 at the end of ``max_epochs``; called with the optimizer steps
-    taken, the factor for the next step."""
+    warmup), then half a cosine down to 0 at the end of ``max_epochs``; called with the optimizer steps taken, the
+    factor for the next step."""
 
     def __init__(
         self,
@@ -85,26 +91,18 @@ class WarmupCosine:
         warmup_method: str = "linear",
         warmup_decay: float | None = None,
     ) -> None:
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
-        if max_epochs < 1:
-            raise ValueError(f"The cosine schedule needs max_epochs of at least 1. Got {max_epochs}")
         if not 0 <= warmup_epochs < max_epochs:
             raise ConfigError(
                 f"The cosine schedule decays after the warmup: --model.warmup_epochs ({warmup_epochs}) must be "
                 f"below --trainer.max_epochs ({max_epochs}); lower it or train longer."
             )
-        self.steps_per_epoch, self.warmup_epochs = int(steps_per_epoch), int(warmup_epochs)
+        super().__init__(steps_per_epoch, warmup_epochs, warmup_method, warmup_decay)
         self.max_epochs = int(max_epochs)
-        check_warmup(warmup_method, warmup_decay)
-        self.warmup_method, self.warmup_decay = warmup_method, warmup_decay
 
     def __call__(self, steps_done: int) -> float:
         warmup = self.warmup_epochs * self.steps_per_epoch
         if steps_done < warmup:
-            if self.warmup_decay is None:
-                return (steps_done + 1) / warmup
-            return warmup_factor(steps_done, warmup, self.warmup_method, self.warmup_decay)
+            return self.warmup(steps_done, 1)
         total = self.max_epochs * self.steps_per_epoch
         progress = min(1.0, (steps_done - warmup) / (total - warmup))
         return 0.5 * (1.0 + math.cos(math.pi * progress))
