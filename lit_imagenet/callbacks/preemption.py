@@ -37,15 +37,11 @@ def _note_requeue_signal(signum: int, frame: FrameType | None) -> None:
     _requeue_signalled = True
 
 
-def catch_requeue_signal() -> bool:
-    """Under SLURM, makes the requeue signal only set a flag from now on; ``StepCheckpoint`` acts on it.
-
-    Lightning's handler would save mid-step; finding this one, it installs none. Returns whether it was installed.
-    """
-    if not SLURMEnvironment.detect() or threading.current_thread() is not threading.main_thread():
-        return False
-    signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
-    return True
+def catch_requeue_signal() -> None:
+    """Under SLURM, makes the requeue signal only set a flag from now on, which ``StepCheckpoint`` acts on (Lightning's
+    handler would save mid-step; finding this one, it installs none)."""
+    if SLURMEnvironment.detect() and threading.current_thread() is threading.main_thread():
+        signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
 
 
 def requeue_handler_installed() -> bool:
