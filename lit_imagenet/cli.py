@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
+import pydoc
 import signal
 import subprocess
 import sys
@@ -58,20 +58,9 @@ def _log_into_root_dir(trainer_config: Namespace | None) -> None:
         return
     loggers = trainer_config.get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers]:
-        if isinstance(logger, Namespace) and _names_class(logger.get("class_path"), RunLogger):
+        if isinstance(logger, Namespace) and pydoc.locate(str(logger.get("class_path"))) is RunLogger:
             if logger.init_args.get("save_dir") is None:
                 logger.init_args.save_dir = trainer_config.get("default_root_dir") or os.getcwd()
-
-
-def _names_class(class_path: Any, cls: type) -> bool:
-    """Whether ``class_path`` is an import path of ``cls`` (it may be exported under several)."""
-    if not isinstance(class_path, str) or "." not in class_path:
-        return False
-    module, _, name = class_path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name, None) is cls
-    except ImportError:
-        return False
 
 
 #: Seconds that rank 0, after an error of its own, gives the ranks it launched to end by themselves.
@@ -187,8 +176,7 @@ class ImageNetCLI(LightningCLI):
         config = self.config_init[self.subcommand]
         trainer = self.trainer
         folders = _checkpoint_folders(trainer)
-        found = [p for p in (find_last_checkpoint(f) for f in folders if os.path.isdir(f)) if p is not None]
-        newest = max(found, key=lambda p: Path(p).stat().st_mtime_ns) if found else None
+        newest = find_last_checkpoint(*folders)
         ckpt_path = config.get("ckpt_path")
         if ckpt_path == "last":
             # "last" is this run's own: the checkpoints of its folder, never another run's.
@@ -220,10 +208,8 @@ class ImageNetCLI(LightningCLI):
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         given = sys.argv[1:] if args is None else args
-        if isinstance(given, (list, tuple)):
-            problem = linked_model_argument(list(given))
-            if problem:
-                raise ConfigError(problem)
+        if isinstance(given, (list, tuple)) and (problem := linked_model_argument(list(given))):
+            raise ConfigError(problem)
         super().parse_arguments(parser, args)
 
     @override
@@ -275,8 +261,7 @@ def _checkpoint_folders(trainer: Trainer) -> list[str]:
     else:
         logged = trainer.default_root_dir
     default = os.path.join(logged, "checkpoints")
-    folders = [str(cb.dirpath) if cb.dirpath else default for cb in trainer.checkpoint_callbacks] or [default]
-    return list(dict.fromkeys(folders))
+    return [str(cb.dirpath) if cb.dirpath else default for cb in trainer.checkpoint_callbacks] or [default]
 
 
 def _checkpoint_summary(path: str) -> tuple[int, int, dict[str, Any]]:
@@ -344,11 +329,9 @@ def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[s
         kwargs["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), choice.plugin]
     if choice.strategy is not None:
         strategy = trainer_config.get("strategy", "auto")
-        if strategy not in ("auto", "ddp", "ddp_default_stream", "ddp_apex") and not isinstance(
-            strategy, ApexDDPStrategy
-        ):
-            raise ConfigError(f"apex AMP runs with one process or --trainer.strategy ddp_apex, not {strategy!r}.")
         if not isinstance(strategy, ApexDDPStrategy):
+            if strategy not in ("auto", "ddp", "ddp_default_stream", "ddp_apex"):
+                raise ConfigError(f"apex AMP runs with one process or --trainer.strategy ddp_apex, not {strategy!r}.")
             kwargs["strategy"] = choice.strategy
     return kwargs
 
@@ -394,17 +377,10 @@ _LINKED = {
 }
 
 
-def _is_file(value: str) -> bool:
-    try:
-        return Path(value).is_file()
-    except (OSError, ValueError):  # a name too long, a null byte: a YAML string, not a file
-        return False
-
-
 def _yaml_mapping(value: str) -> dict[str, Any] | None:
     """The mapping in a YAML file named ``value``, or in ``value`` itself; ``None`` if it holds none."""
     try:
-        loaded = yaml.safe_load(Path(value).read_text() if _is_file(value) else value)
+        loaded = yaml.safe_load(Path(value).read_text() if os.path.isfile(value) else value)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None
     return loaded if isinstance(loaded, dict) else None
@@ -424,7 +400,7 @@ def linked_model_argument(args: list[str]) -> str | None:
         model = given if key == "--model" else (given or {}).get("model")
         linked = [name for name in _LINKED if isinstance(model, dict) and name in model]
         if linked:
-            source = value if _is_file(value) else "the config given"
+            source = value if os.path.isfile(value) else "the config given"
             return f"model.{linked[0]} in {source} is set from {_LINKED[linked[0]]}."
     return None
 

@@ -35,28 +35,21 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written; the message names the file, and the previous one is kept."""
 
 
-def remove_unfinished_writes(folder: str) -> list[tuple[str, int]]:
-    """Removes the temporary files that processes killed mid-write left in ``folder``, with one line each.
-
-    Only files older than this process are removed (a newer one may be another's write); returns paths and sizes.
-    """
-    removed = []
+def remove_unfinished_writes(folder: str) -> None:
+    """Removes, with one line each, the temporary files older than this process (a newer one may be another's write)
+    that processes killed mid-write left in ``folder``."""
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in (e for e in entries if _UNFINISHED.fullmatch(e.name) and e.is_file(follow_symlinks=False)):
             with contextlib.suppress(OSError):
                 if (info := entry.stat(follow_symlinks=False)).st_mtime < _STARTED:
                     os.remove(entry.path)
-                    removed.append((entry.path, info.st_size))
                     rank_zero_info(f"Removed {entry.path} ({info.st_size:,} bytes): the unfinished write of a "
                                    "checkpoint, by a process that ended during it.")  # fmt: skip
-    return removed
 
 
 def _unfinished_file(path: str) -> tuple[int, str]:
-    """A new file ``.NAME.XXXXXXXX.tmp`` beside ``path``, open for writing: the descriptor and the name.
-
-    Its mode is what the umask gives (unlike ``tempfile.mkstemp``'s owner-only one), so a group can read it.
-    """
+    """A new file ``.NAME.XXXXXXXX.tmp`` beside ``path``, open for writing, with the mode the umask gives (unlike
+    ``tempfile.mkstemp``'s owner-only one); returns the descriptor and the name."""
     folder, name = os.path.split(path)
     while True:
         tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
@@ -76,9 +69,7 @@ def _fsync_dir(folder: str) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Saves local checkpoints all-or-nothing: a temporary file in the target's folder, fsync, ``os.replace``.
-
-    A killed write or a full disk leaves the previous checkpoint intact. Remote paths use Lightning's writer.
+    """Saves local checkpoints all-or-nothing (temporary file, fsync, ``os.replace``); remote paths use Lightning's.
 
     Raises:
         CheckpointWriteError: The disk or quota is full.
@@ -155,7 +146,7 @@ class BestCheckpoint(ModelCheckpoint):
 
 class StepCheckpoint(ModelCheckpoint):
     """Overwrites ``last-step.ckpt`` every ``train_time_interval`` (or ``every_n_train_steps``), on SIGTERM and on
-    SLURM's requeue signal, after which every process stops after the same optimizer step.
+    SLURM's requeue signal (every process then stops after the same optimizer step).
 
     Args:
         every_n_train_steps: Save every this many optimizer steps instead of every ``train_time_interval``; 0: by time.
@@ -174,8 +165,6 @@ class StepCheckpoint(ModelCheckpoint):
         save_on_sigterm: bool = True,
         dirpath: str | None = None,
     ) -> None:
-        if every_n_train_steps < 0:
-            raise ValueError(f"every_n_train_steps must not be negative. Got {every_n_train_steps}")
         if train_time_interval is not None and train_time_interval <= timedelta(0):
             raise ValueError(f"train_time_interval must be positive. Got {train_time_interval}")
         super().__init__(
@@ -243,7 +232,7 @@ class StepCheckpoint(ModelCheckpoint):
         pass  # the end of a run is the ``checkpoint`` callback's last.ckpt already
 
 
-def find_last_checkpoint(root: str | os.PathLike[str]) -> str | None:
-    """The newest ``last*.ckpt`` under ``root`` (every logger version of a run), or ``None``."""
-    found = [p for p in Path(root).rglob("last*.ckpt") if p.is_file()]
+def find_last_checkpoint(*roots: str | os.PathLike[str]) -> str | None:
+    """The newest ``last*.ckpt`` under ``roots`` (every logger version of a run), or ``None``."""
+    found = [p for root in roots for p in Path(root).rglob("last*.ckpt") if p.is_file()]
     return str(max(found, key=lambda p: p.stat().st_mtime_ns)) if found else None

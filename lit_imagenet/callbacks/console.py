@@ -17,11 +17,9 @@ from lit_imagenet.compat import batches_that_stepped, writes_log_line
 from lit_imagenet.training.readback import sync_device
 
 
-class _DropTip(logging.Filter):
-    """Drops the records of a logger that advertise a service (Lightning's "Tip: ... litlogger" line)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "litlogger" not in record.getMessage()
+def _drop_tip(record: logging.LogRecord) -> bool:
+    """Drops Lightning's "Tip: ... litlogger" line, which advertises a service."""
+    return "litlogger" not in record.getMessage()
 
 
 def quiet_third_party() -> None:
@@ -42,8 +40,8 @@ def quiet_third_party() -> None:
     )  # fmt: skip
     # An advertisement on every command, in the logger that also says which devices the run uses (kept).
     tips = logging.getLogger("pytorch_lightning.utilities.rank_zero")
-    if not any(isinstance(f, _DropTip) for f in tips.filters):
-        tips.addFilter(_DropTip())
+    if _drop_tip not in tips.filters:
+        tips.addFilter(_drop_tip)
 
 
 def console_print(trainer: pl.Trainer, line: str) -> None:
@@ -143,13 +141,7 @@ class ConsoleLog(_EpochMeter):
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._looping = True
 
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._looping = True
-
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._looping = True
+    on_predict_start = on_test_start = on_sanity_check_start
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -233,8 +225,7 @@ class LearningRateLog(pl.Callback):
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
 
-    def rates(self, trainer: pl.Trainer) -> dict[str, float]:
-        """The current rates (and momenta), by name."""
+    def _log(self, trainer: pl.Trainer) -> None:
         kinds = [type(opt).__name__ for opt in trainer.optimizers]
         figures: dict[str, float] = {}
         for index, (opt, kind) in enumerate(zip(trainer.optimizers, kinds)):
@@ -245,10 +236,7 @@ class LearningRateLog(pl.Callback):
                 if self.log_momentum:
                     momentum = group["betas"][0] if "betas" in group else group.get("momentum", 0.0)
                     figures[f"{name}-momentum"] = float(momentum)
-        return figures
-
-    def _log(self, trainer: pl.Trainer) -> None:
-        if not (figures := self.rates(trainer)):
+        if not figures:
             return
         trainer.callback_metrics.update({name: torch.tensor(value) for name, value in figures.items()})
         for logger in trainer.loggers:

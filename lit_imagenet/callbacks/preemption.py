@@ -1,7 +1,4 @@
-"""Stopping a run cleanly when its machines are taken back: SLURM's requeue signal, SIGTERM under DDP, torchrun.
-
-Under SLURM ``StepCheckpoint`` saves after the same step on every process and ``requeue_slurm_job`` requeues the job.
-"""
+"""Stopping a run cleanly when its machines are taken back: SLURM's requeue signal, SIGTERM under DDP, torchrun."""
 
 from __future__ import annotations
 
@@ -37,15 +34,11 @@ def _note_requeue_signal(signum: int, frame: FrameType | None) -> None:
     _requeue_signalled = True
 
 
-def catch_requeue_signal() -> bool:
-    """Under SLURM, makes the requeue signal only set a flag from now on; ``StepCheckpoint`` acts on it.
-
-    Lightning's handler would save mid-step; finding this one, it installs none. Returns whether it was installed.
-    """
-    if not SLURMEnvironment.detect() or threading.current_thread() is not threading.main_thread():
-        return False
-    signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
-    return True
+def catch_requeue_signal() -> None:
+    """Under SLURM, makes the requeue signal only set a flag from now on, which ``StepCheckpoint`` acts on (Lightning's
+    handler would save mid-step; finding this one, it installs none)."""
+    if SLURMEnvironment.detect() and threading.current_thread() is threading.main_thread():
+        signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
 
 
 def requeue_handler_installed() -> bool:
@@ -67,10 +60,8 @@ def slurm_requeues(trainer: pl.Trainer) -> bool:
 
 
 def requeue_slurm_job() -> int:
-    """Puts the SLURM job back in the queue (the first process does); returns the exit status, the same everywhere.
-
-    The others wait for it: under ``srun --kill-on-bad-exit=1`` one exiting first would get the job killed.
-    """
+    """Puts the SLURM job back in the queue (the first process does; the others wait for it, since under ``srun
+    --kill-on-bad-exit=1`` one exiting first would get the job killed); returns the exit status, the same everywhere."""
     grouped = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     first = dist.get_rank() == 0 if grouped else os.environ.get("SLURM_PROCID", "0") == "0"
     status = [_requeue() if first else None]
@@ -98,10 +89,8 @@ def _requeue() -> int:
 
 
 def torchrun_restart_problem() -> str | None:
-    """Why torchrun could not restart this run's workers after a failure, or ``None``.
-
-    With several nodes, workers restarted on the agents' shared rendezvous store cannot connect.
-    """
+    """Why torchrun could not restart this run's workers after a failure (with several nodes, workers restarted on
+    the agents' shared rendezvous store cannot connect), or ``None``."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
         return None
