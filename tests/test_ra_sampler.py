@@ -107,10 +107,11 @@ def test_the_data_module_passes_ra_reps_to_the_training_sampler(shapes_root) -> 
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before, after, reps_after", [(2, 1, 2), (1, 2, 1)])
 def test_a_run_with_repeated_augmentation_stopped_mid_epoch_resumes_with_the_rest_of_its_samples(
-    tmp_path, before: int, after: int
+    tmp_path, before: int, after: int, reps_after: int
 ) -> None:
+    """Also when resumed with another --data.ra_reps: the cut epoch ends in its run's order, the next use the new."""
     from tests.test_resume import _one_image_per_class
     from tests.test_stop_resume import BATCH, SAMPLES, SEED, _batches, _run
 
@@ -119,10 +120,26 @@ def test_a_run_with_repeated_augmentation_stopped_mid_epoch_resumes_with_the_res
     _run(root, out, "first", before, "--trainer.max_steps", "2", "--data.ra_reps", "2")
     first = _batches(out / "first")
     assert {b["epoch"] for b in first} == {0} and 0 < len(first) < SAMPLES // BATCH, first
-    _run(root, out, "second", after, "--trainer.max_epochs", "2", "--ckpt_path", "last", "--data.ra_reps", "2")
+    console = _run(root, out, "second", after, "--trainer.max_epochs", "2", "--ckpt_path", "last", "--data.ra_reps",
+                   str(reps_after))  # fmt: skip
     second = _batches(out / "second")
     assert min(b["epoch"] for b in second) == 0
-    for epoch in (0, 1):
+    changed = "Epoch 0 goes on in the order of the checkpoint's --data.ra_reps 2; the epochs after it use 1."
+    assert (changed in console) == (reps_after != 2)
+    for epoch, reps in ((0, 2), (1, reps_after)):
         trained = Counter(label for b in first + second if b["epoch"] == epoch for label in b["labels"])
-        assert trained == Counter(epoch_samples(SAMPLES, SEED, epoch, reps=2)[0].tolist()), epoch
-        assert len(trained) == SAMPLES // 2 and set(trained.values()) == {2}
+        assert trained == Counter(epoch_samples(SAMPLES, SEED, epoch, reps=reps)[0].tolist()), epoch
+        assert len(trained) == SAMPLES // reps and set(trained.values()) == {reps}
+
+
+def test_a_resumed_pass_keeps_the_order_of_its_runs_reps_and_the_next_pass_takes_the_samplers() -> None:
+    size, batch, done, epoch = 40, 4, 3, 2
+    before = EpochSeededSampler(list(range(size)), seed=7, reps=4)
+    before.set_epoch(epoch)
+    trained = list(before)[: done * batch]
+    after = EpochSeededSampler(list(range(size)), seed=7, reps=1)
+    after.resume_at(epoch, done * batch, reps=4)
+    rest = list(after)
+    assert trained + rest == [*_epoch(size, 4, world=1, epoch=epoch)[0]]
+    after.set_epoch(epoch + 1)
+    assert sorted(i for i, _ in after) == list(range(size))  # reps 1: every sample once

@@ -191,14 +191,15 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return {name: i for i, name in enumerate(self.classes)}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to go on from the same sample: this run's processes, batch size, training size."""
+        """What a resumed run needs to go on from the same sample: this run's processes, batch size, repeated
+        augmentation and training size."""
         world = self.trainer.world_size if self.trainer is not None else 1
         train = len(self._splits["train"]) if "train" in self._splits else 0
-        return {"world_size": world, "batch_size": self.batch_size, "train_samples": train}
+        return {"world_size": world, "batch_size": self.batch_size, "ra_reps": self.ra_reps, "train_samples": train}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved = {key: int(state_dict[key]) for key in ("world_size", "batch_size") if key in state_dict}
-        self._saved = saved if len(saved) == 2 else None
+        saved = {key: int(state_dict[key]) for key in ("world_size", "batch_size", "ra_reps") if key in state_dict}
+        self._saved = saved if "world_size" in saved and "batch_size" in saved else None
         before, now = state_dict.get("train_samples"), len(self._splits.get("train", ()))
         if before and now and int(before) != now:
             rank_zero_warn(

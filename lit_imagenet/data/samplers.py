@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import Dataset, DistributedSampler
 
 from lit_imagenet import compat
@@ -91,12 +92,13 @@ class EpochSeededSampler(DistributedSampler):
         if reps < 1:
             raise ValueError(f"reps must be at least 1. Got {reps}")
         self.reps = reps
-        self._resume: tuple[int, int] | None = None
+        self._resume: tuple[int, int, int] | None = None
 
-    def resume_at(self, epoch: int, samples_done: int) -> None:
-        """Sets the epoch, and skips its first ``samples_done`` samples, over all processes, in the next pass only."""
+    def resume_at(self, epoch: int, samples_done: int, reps: int | None = None) -> None:
+        """Sets the epoch, and skips its first ``samples_done`` samples, over all processes, in the next pass only;
+        that pass keeps the order of ``reps`` (the resumed run's; ``None``: this sampler's)."""
         self.set_epoch(epoch)
-        self._resume = (epoch, samples_done)
+        self._resume = (epoch, samples_done, self.reps if reps is None else reps)
 
     def skips(self) -> int:
         """The samples of the current epoch, over all processes, that the next pass skips (``resume_at``)."""
@@ -105,7 +107,9 @@ class EpochSeededSampler(DistributedSampler):
     def order(self) -> tuple[np.ndarray, np.ndarray]:
         """This process's sample indices of the next pass and their augmentation seeds (``epoch_pass``)."""
         size = len(self.dataset)  # type: ignore[arg-type]
-        return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips(), self.reps)
+        resumed = self._resume is not None and self._resume[0] == self.epoch
+        reps = self._resume[2] if resumed else self.reps  # type: ignore[index]
+        return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips(), reps)
 
     def next_pass(self) -> tuple[np.ndarray, np.ndarray]:
         """``order``, as the next pass reads it: a resumed epoch's skip is used up."""
@@ -153,8 +157,9 @@ def split_sampler(
     """The sampler of a split's loader for this process: training, an ``EpochSeededSampler`` at the restored position
     of a resumed run; evaluation, an ``UnpaddedDistributedSampler`` under DDP, else none.
 
-    A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size`` and
-    ``batch_size``, this run's when ``None``); the fit loop's batch counts are moved to this run's batches.
+    A resumed epoch skips the samples the checkpoint's run trained (with ``saved``'s ``world_size``, ``batch_size``
+    and ``ra_reps``, this run's where missing) and goes on in that run's order; the fit loop's batch counts are moved
+    to this run's batches.
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
     if not train:
@@ -165,7 +170,11 @@ def split_sampler(
     old_world, old_batch = (saved["world_size"], saved["batch_size"]) if saved else (world, batch_size)
     old_batches = math.ceil(math.ceil(len(dataset) / old_world) / old_batch)  # type: ignore[arg-type]
     epoch, done = resume_position(trainer, old_batches)
-    sampler.resume_at(epoch, done * old_batch * old_world)  # every process trained its first batches
+    old_reps = (saved or {}).get("ra_reps", reps) if done else reps
+    sampler.resume_at(epoch, done * old_batch * old_world, old_reps)  # every process trained its first batches
+    if old_reps != reps:
+        rank_zero_info(f"Epoch {epoch} goes on in the order of the checkpoint's --data.ra_reps {old_reps}; the epochs "
+                       f"after it use {reps}.")  # fmt: skip
     if done and (old_world, old_batch) != (world, batch_size):
         rest = math.ceil(len(sampler.order()[0]) / batch_size)
         compat.shift_epoch_batches(trainer, math.ceil(len(sampler) / batch_size) - rest - done)
