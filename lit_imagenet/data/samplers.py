@@ -100,16 +100,20 @@ class EpochSeededSampler(DistributedSampler):
         self.set_epoch(epoch)
         self._resume = (epoch, samples_done, self.reps if reps is None else reps)
 
+    def _resumed(self) -> tuple[int, int, int]:
+        """``(epoch, samples skipped, reps)`` of the next pass: ``resume_at``'s for its epoch, else none skipped."""
+        resume = self._resume
+        return resume if resume is not None and resume[0] == self.epoch else (self.epoch, 0, self.reps)
+
     def skips(self) -> int:
         """The samples of the current epoch, over all processes, that the next pass skips (``resume_at``)."""
-        return self._resume[1] if self._resume is not None and self._resume[0] == self.epoch else 0
+        return self._resumed()[1]
 
     def order(self) -> tuple[np.ndarray, np.ndarray]:
         """This process's sample indices of the next pass and their augmentation seeds (``epoch_pass``)."""
+        _, skips, reps = self._resumed()
         size = len(self.dataset)  # type: ignore[arg-type]
-        resumed = self._resume is not None and self._resume[0] == self.epoch
-        reps = self._resume[2] if resumed else self.reps  # type: ignore[index]
-        return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, self.skips(), reps)
+        return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, skips, reps)
 
     def next_pass(self) -> tuple[np.ndarray, np.ndarray]:
         """``order``, as the next pass reads it: a resumed epoch's skip is used up."""
