@@ -121,6 +121,30 @@ def test_gpu_check_records_each_part_and_keeps_the_other(tmp_path: Path, monkeyp
     assert parts["bench"]["tree_sha256"] == gpu_check.tree_digest()
 
 
+def test_gpu_check_runs_of_some_tests_add_up_to_one_part_of_the_same_files(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_check, "_machine", lambda: {"gpus": ["H100"]})
+    results = {"tests/test_a.py": [{"row": "test_a::t", "ok": True}, {"row": "test_a::u", "ok": False}],
+               "tests/test_a.py::u": [{"row": "test_a::u", "ok": True}],
+               "tests/test_b.py": [{"row": "test_b::t", "ok": True}]}  # fmt: skip
+    monkeypatch.setattr(gpu_check, "run_tests", lambda out, args, timeout: results[args[0]])
+    record = tmp_path / "record.json"
+    args = ["--part", "tests", "--out", str(tmp_path / "out"), "--record", str(record), "--pytest-args"]
+
+    def rows() -> list[tuple[str, bool]]:
+        part = json.loads(record.read_text())["parts"]["tests"]
+        assert part["passed"] + part["failed"] == len(part["rows"])
+        return [(row["row"], row["ok"]) for row in part["rows"]]
+
+    assert gpu_check.main([*args, "tests/test_a.py"]) == 1
+    assert gpu_check.main([*args, "tests/test_b.py"]) == 1  # the part still has test_a::u's failure
+    assert gpu_check.main([*args, "tests/test_a.py::u"]) == 0  # the failed test again: its new row replaces it
+    assert rows() == [("test_a::t", True), ("test_b::t", True), ("test_a::u", True)]
+    monkeypatch.setattr(gpu_check, "tree_digest", lambda: "other files")
+    assert gpu_check.main([*args, "tests/test_b.py"]) == 0
+    assert rows() == [("test_b::t", True)]  # rows of other files are not this code's
+
+
 def test_gpu_check_without_a_gpu_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--out", str(tmp_path), "--record", str(tmp_path / "r.json")]) == 2
