@@ -51,18 +51,6 @@ from lit_imagenet.training.module import ImageClassifier
 from lit_imagenet.training.precision import AMPFlags, ApexAMP, resolve_amp
 from lit_imagenet.training.strategies import ApexDDPStrategy  # also registers ddp_default_stream and ddp_apex
 
-
-def _log_into_root_dir(trainer_config: Namespace | None) -> None:
-    """Points a config's ``RunLogger`` given no ``save_dir`` at ``--trainer.default_root_dir`` (built before it)."""
-    if trainer_config is None:
-        return
-    loggers = trainer_config.get("logger")
-    for logger in loggers if isinstance(loggers, list) else [loggers]:
-        if isinstance(logger, Namespace) and pydoc.locate(str(logger.get("class_path"))) is RunLogger:
-            if logger.init_args.get("save_dir") is None:
-                logger.init_args.save_dir = trainer_config.get("default_root_dir") or os.getcwd()
-
-
 #: Seconds that rank 0, after an error of its own, gives the ranks it launched to end by themselves.
 LAUNCHED_RANKS_GRACE = 10.0
 
@@ -108,12 +96,9 @@ class ImageNetCLI(LightningCLI):
     @override
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # With only --data.predict_root the data knows no classes: the model keeps those of --ckpt_path.
-        parser.link_arguments(
-            "data.num_classes", "model.num_classes", self._from_data_or_model("num_classes"), apply_on="instantiate"
-        )
-        parser.link_arguments(
-            "data.classes", "model.class_names", self._from_data_or_model("class_names"), apply_on="instantiate"
-        )
+        for source, target in (("num_classes", "num_classes"), ("classes", "class_names")):
+            link = self._from_data_or_model(target)
+            parser.link_arguments(f"data.{source}", f"model.{target}", link, apply_on="instantiate")
         parser.link_arguments("data.channels_last", "model.channels_last")
         # Always-present callbacks, each configurable under its own key (--checkpoint.*, --prefetch.*).
         parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
@@ -137,15 +122,10 @@ class ImageNetCLI(LightningCLI):
         return config[self.subcommand] if self.subcommand else config
 
     @override
-    def instantiate_classes(self) -> None:
-        super().instantiate_classes()
-        prefetch = self._section(self.config_init).get("prefetch")
-        if isinstance(prefetch, CUDAPrefetch) and isinstance(self.model, ImageClassifier):
-            self.model.prefetch = prefetch
-
-    @override
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self._section(self.config_init)
+        if isinstance(config.get("prefetch"), CUDAPrefetch) and isinstance(self.model, ImageClassifier):
+            self.model.prefetch = config.prefetch
         if self.subcommand not in (None, "fit"):
             # Evaluating or predicting writes no run: no config.yaml.
             self.save_config_callback = None
@@ -221,7 +201,12 @@ class ImageNetCLI(LightningCLI):
                 trainer_config.default_root_dir = run_folder(config.get("config"))
             if self.subcommand in ("validate", "test", "predict"):
                 trainer_config.logger = False  # results go to the console; no new log folder
-        _log_into_root_dir(trainer_config)
+            # A RunLogger given no save_dir logs into --trainer.default_root_dir (built before it).
+            loggers = trainer_config.get("logger")
+            for logger in loggers if isinstance(loggers, list) else [loggers]:
+                if isinstance(logger, Namespace) and pydoc.locate(str(logger.get("class_path"))) is RunLogger:
+                    if logger.init_args.get("save_dir") is None:
+                        logger.init_args.save_dir = trainer_config.default_root_dir or os.getcwd()
         self._model_config = dict(config.get("model") or {})
         data = config.get("data")
         if data is not None and data.get("root", "") is None and not self._model_config.get("num_classes"):
@@ -254,12 +239,11 @@ def run_folder(configs: list[Any] | None) -> str:
 
 def _checkpoint_folders(trainer: Trainer) -> list[str]:
     """The folders the trainer's checkpoint callbacks save into, as Lightning resolves them at setup."""
+    logged = trainer.default_root_dir
     if trainer.loggers:
         logger = trainer.loggers[0]
         version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
         logged = os.path.join(logger.save_dir or trainer.default_root_dir, str(logger.name or ""), version)
-    else:
-        logged = trainer.default_root_dir
     default = os.path.join(logged, "checkpoints")
     return [str(cb.dirpath) if cb.dirpath else default for cb in trainer.checkpoint_callbacks] or [default]
 
@@ -297,9 +281,9 @@ def _process_count(trainer_config: dict[str, Any]) -> int:
         devices = [d for d in devices.split(",") if d.strip()]
     if isinstance(devices, (list, tuple)):
         count = len(devices)
+    elif str(devices).strip().lstrip("-").isdigit() and int(devices) != -1:
+        count = int(devices)
     else:
-        count = int(devices) if str(devices).strip().lstrip("-").isdigit() else -1
-    if count == -1:
         count = max(1, torch.cuda.device_count())
     return count * int(trainer_config.get("num_nodes", 1) or 1)
 
@@ -314,10 +298,9 @@ def _device_type(trainer_config: dict[str, Any]) -> str:
 def _amp_trainer_kwargs(amp: AMPFlags, trainer_config: dict[str, Any]) -> dict[str, Any]:
     """Trainer arguments for the reference's AMP flags, which take the place of ``--trainer.precision``."""
     precision = trainer_config.get("precision")
-    processes = _process_count(trainer_config)
     try:
-        choice = resolve_amp(amp.opt_level, amp.keep_batchnorm_fp32, amp.loss_scale, amp.backend, processes,
-                             _device_type(trainer_config))  # fmt: skip
+        choice = resolve_amp(amp.opt_level, amp.keep_batchnorm_fp32, amp.loss_scale, amp.backend,
+                             _process_count(trainer_config), _device_type(trainer_config))  # fmt: skip
     except ImportError as err:
         raise ConfigError(str(err)) from None
     replaced = f", in place of --trainer.precision {precision}" if precision not in (None, "32-true") else ""
@@ -356,16 +339,6 @@ def _check_bf16(trainer_config: dict[str, Any]) -> None:
     if precision.startswith("bf16") and cuda and not torch.cuda.is_bf16_supported():
         name, instead = torch.cuda.get_device_name(), f"use --trainer.precision 16-mixed instead of {precision}"
         raise ConfigError(f"{name} cannot compute in bfloat16; {instead}.")
-
-
-def _user_message(err: BaseException) -> str:
-    """The one sentence of a ``UserError``, also when it was re-raised from a loader worker."""
-    text = str(err).strip()
-    if "Original Traceback" in text:  # re-raised by DataLoader: the original message is the last line
-        last = text.splitlines()[-1]
-        prefix = f"{type(err).__module__}.{type(err).__qualname__}: "
-        text = last.removeprefix(prefix)
-    return text
 
 
 # The model's arguments that the data sets (ImageNetCLI.add_arguments_to_parser), and where they come from.
@@ -416,13 +389,11 @@ def main(
         datamodule_class: The ``--data.*`` class; it needs ``classes``, ``num_classes`` and ``channels_last``.
     """
     quiet_third_party()
-    warning = untested_version_warning()
-    if warning is not None:
+    if warning := untested_version_warning():
         rank_zero_only(print)(warning, file=sys.stderr, flush=True)
     if run:
         catch_requeue_signal()
-        problem = torchrun_restart_problem()
-        if problem and os.environ.get("RANK", "0") == "0":
+        if (problem := torchrun_restart_problem()) and os.environ.get("RANK", "0") == "0":
             print(f"warning: {problem}", file=sys.stderr, flush=True)
     ender = EndLaunchedRanks()
     try:
@@ -432,7 +403,10 @@ def main(
         return ImageNetCLI(ImageClassifier, datamodule_class, trainer_defaults=defaults,
                            save_config_kwargs={"overwrite": True}, args=args, run=run)  # fmt: skip
     except UserError as err:
-        print(f"error: {_user_message(err)}", file=sys.stderr, flush=True)
+        text = str(err).strip()
+        if "Original Traceback" in text:  # re-raised from a loader worker: the original message is the last line
+            text = text.splitlines()[-1].removeprefix(f"{type(err).__module__}.{type(err).__qualname__}: ")
+        print(f"error: {text}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RequeueSignal:
         sys.exit(requeue_slurm_job())

@@ -7,10 +7,11 @@ import pytorch_lightning as pl
 from lit_imagenet.callbacks.checkpoints import BEST_CHECKPOINT, AtomicCheckpoints, BestCheckpoint, StepCheckpoint
 from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
 from lit_imagenet.callbacks.guard import NonFiniteGuard
-from lit_imagenet.callbacks.logs import RunLogger, TrainingCurves
+from lit_imagenet.callbacks.logs import RunLogger as RunLogger
+from lit_imagenet.callbacks.logs import TrainingCurves
 from lit_imagenet.callbacks.predictions import PredictionWriter
 from lit_imagenet.callbacks.preemption import SigtermConsensus
-from lit_imagenet.callbacks.profiling import Profile
+from lit_imagenet.callbacks.profiling import Profile as Profile
 
 
 def default_callbacks(
@@ -36,19 +37,3 @@ def default_callbacks(
         TrainingCurves(curves),
         PredictionWriter(),
     ]
-
-
-__all__ = [
-    "AtomicCheckpoints",
-    "ConsoleLog",
-    "LearningRateLog",
-    "NonFiniteGuard",
-    "PredictionWriter",
-    "Profile",
-    "RunLogger",
-    "SigtermConsensus",
-    "StepCheckpoint",
-    "Throughput",
-    "TrainingCurves",
-    "default_callbacks",
-]

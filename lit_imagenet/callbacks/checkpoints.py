@@ -7,7 +7,6 @@ import errno
 import os
 import re
 import secrets
-import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing_extensions import override
 
 from lit_imagenet import compat
 from lit_imagenet.callbacks import preemption
-from lit_imagenet.callbacks.preemption import REQUEUE_SIGNAL, RequeueSignal
+from lit_imagenet.callbacks.preemption import RequeueSignal
 
 #: A checkpoint's temporary file while it is written (``_unfinished_file``).
 _UNFINISHED = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
@@ -55,17 +54,6 @@ def _unfinished_file(path: str) -> tuple[int, str]:
         tmp = os.path.join(folder, f".{name}.{secrets.token_hex(4)}.tmp")
         with contextlib.suppress(FileExistsError):
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), tmp
-
-
-def _fsync_dir(folder: str) -> None:
-    # The rename is durable only once the directory entry is on disk; not every system allows this.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    with contextlib.suppress(OSError):
-        os.fsync(fd)
-    os.close(fd)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -103,7 +91,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                     "there is kept. Free disk space or point --trainer.default_root_dir at a larger disk, then resume.",
                 ) from None
             raise
-        _fsync_dir(folder)
+        # The rename is durable only once the directory entry is on disk; not every system allows this.
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
 
 def use_atomic_checkpoint_io(trainer: pl.Trainer) -> None:
@@ -179,7 +173,6 @@ class StepCheckpoint(ModelCheckpoint):
         )
         self.save_on_sigterm = save_on_sigterm
         self._by_steps = every_n_train_steps > 0
-        self._requeue = False
         self._requeue_asked_at = -1
 
     @property
@@ -191,11 +184,7 @@ class StepCheckpoint(ModelCheckpoint):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self._requeue = preemption.requeue_handler_installed()
-        if self._requeue and (stage != "fit" or not preemption.slurm_requeues(trainer)):
-            # Not training, or auto-requeue off: the signal does what Lightning makes of it.
-            signal.signal(REQUEUE_SIGNAL, signal.SIG_DFL)
-            self._requeue = False
+        self._requeue = preemption.requeues_on_signal(trainer, stage)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:

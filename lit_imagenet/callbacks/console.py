@@ -53,21 +53,13 @@ def console_print(trainer: pl.Trainer, line: str) -> None:
         print(line, flush=True)
 
 
-class _EpochMeter(pl.Callback):
-    """Starts measuring at each training epoch's start, and at a resume part-way through one."""
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.on_train_epoch_start(trainer, pl_module)
-
-
 _VALIDATION = (
     ("val/top1", "top-1"), ("val/top5", "top-5"), ("val/loss", "loss"),
     ("val_ema/top1", "EMA top-1"), ("val_ema/top5", "EMA top-5"),
 )  # fmt: skip
 
 
-class ConsoleLog(_EpochMeter):
+class ConsoleLog(pl.Callback):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``
@@ -81,9 +73,7 @@ class ConsoleLog(_EpochMeter):
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
-        self._start, self._images, self._batches = 0.0, 0, 0
         self._pending: tuple[str, int] | None = None  # the line's start, and the step its figures are logged at
-        self._validation_start = 0.0
         self._looping = False  # a loop has started, with its progress bar
 
     @override
@@ -92,6 +82,8 @@ class ConsoleLog(_EpochMeter):
         self._start, self._images, self._batches = time.perf_counter(), 0, 0
         self._pending = None
         self._looping = True
+
+    on_train_start = on_train_epoch_start  # a resume part-way through an epoch measures from there
 
     @override
     def on_train_batch_end(
@@ -103,12 +95,6 @@ class ConsoleLog(_EpochMeter):
             total = trainer.num_training_batches
             where = f"Epoch {trainer.current_epoch} [{batch_idx + 1}/{total if math.isfinite(total) else '?'}]"
             self._pending = (f"{where} step {trainer.global_step}", batches_that_stepped(trainer))
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._write(trainer)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,10 +110,9 @@ class ConsoleLog(_EpochMeter):
         metrics = trainer.callback_metrics  # on every rank: computing the epoch's metrics may be a collective
         if not (self.enabled and trainer.is_global_zero) or "val/top1" not in metrics:
             return
+        where = f"Validation of {trainer.ckpt_path}" if trainer.ckpt_path else "Validation"
         if trainer.state.fn == "fit":
             where = f"Epoch {trainer.current_epoch} validation"
-        else:
-            where = f"Validation of {trainer.ckpt_path}" if trainer.ckpt_path else "Validation"
         shown = [f"{name} {float(metrics[key]):.4f}" for key, name in _VALIDATION if key in metrics]
         console_print(trainer, f"{where}: {', '.join(shown)} ({seconds:.1f} s)")
 
@@ -143,15 +128,7 @@ class ConsoleLog(_EpochMeter):
 
     on_predict_start = on_test_start = on_sanity_check_start
 
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._write(trainer)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._write(trainer)
-
-    def _write(self, trainer: pl.Trainer) -> None:
+    def _write(self, trainer: pl.Trainer, *_: Any) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -174,13 +151,12 @@ class ConsoleLog(_EpochMeter):
                 shown.append(f"{name} {float(metrics[key]):.4f}")
         console_print(trainer, " | ".join(shown))
 
+    # Lightning logs a batch's step figures after its on_train_batch_end: its line is written at the next hook.
+    on_train_batch_start = on_train_epoch_end = on_train_end = _write
 
-class Throughput(_EpochMeter):
+
+class Throughput(pl.Callback):
     """Reports each training epoch's images per second over all processes, and peak GPU memory."""
-
-    def __init__(self) -> None:
-        self._epoch_start = 0.0
-        self._epoch_images = 0
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,6 +165,8 @@ class Throughput(_EpochMeter):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
         self._epoch_start = time.perf_counter()
         self._epoch_images = 0
+
+    on_train_start = on_train_epoch_start  # a resume part-way through an epoch measures from there
 
     @override
     def on_train_batch_end(

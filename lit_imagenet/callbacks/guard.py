@@ -30,18 +30,14 @@ class NonFiniteGuard(pl.Callback):
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
         self.max_consecutive, self.check_every_n_steps = max_consecutive, check_every_n_steps
-        # On the device: consecutive non-finite losses, the step they began at, where a run over the limit began.
-        self._state: Tensor | None = None
-        self._max: DelayedMax | None = None
-        self._batches = 0
-        self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # On the device: consecutive non-finite losses, the step they began at, where a run over the limit began.
         self._state = torch.tensor([0, -1, -1], dtype=torch.int64, device=pl_module.device)
         self._max = DelayedMax(1, pl_module.device)
         self._batches = 0
-        self._saved = {}
+        self._saved: dict[str, int] = {}  # checkpoint path -> the latest global step saved to it
 
     def _note_checkpoints(self, trainer: pl.Trainer) -> None:
         for cb in trainer.checkpoint_callbacks:
@@ -55,8 +51,6 @@ class NonFiniteGuard(pl.Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
-        if self._state is None or self._max is None:
-            return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, Tensor):  # every rank takes part in the same checks, whatever its batch gave
             loss = torch.zeros((), device=self._state.device)
@@ -77,8 +71,7 @@ class NonFiniteGuard(pl.Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._state is not None and self._max is not None:
-            self._raise_if_tripped(trainer, self._max.now(self._state[2:3])[0])
+        self._raise_if_tripped(trainer, self._max.now(self._state[2:3])[0])
 
     def _raise_if_tripped(self, trainer: pl.Trainer, start: int) -> None:
         if start < 0:

@@ -118,11 +118,9 @@ def plot_curves(metrics_csv: str | Path, out: str | Path) -> Path:
     series: dict[str, list[tuple[float, float]]] = {}
     with open(metrics_csv, newline="") as f:
         for row in csv.DictReader(f):
-            step = row.get("step")
-            if not step:
-                continue
+            step = row.pop("step", None)
             for key, value in row.items():
-                if key != "step" and value:
+                if step and value:
                     series.setdefault(key, []).append((float(step), float(value)))
     fig = Figure(figsize=(4 * len(_CURVES), 3.2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -135,9 +133,8 @@ def plot_curves(metrics_csv: str | Path, out: str | Path) -> Path:
         ax.set_xlabel("step")
         if ax.lines:
             ax.legend(fontsize="small")
-    out = Path(out)
     fig.savefig(out, dpi=80)
-    return out
+    return Path(out)
 
 
 class TrainingCurves(pl.Callback):

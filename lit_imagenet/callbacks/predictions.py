@@ -33,13 +33,12 @@ class PredictionWriter(BasePredictionWriter):
             raise ValueError(f"top_k must be at least 1. Got {top_k}")
         self.output = output
         self.top_k = top_k
-        self._rows: list[tuple[int, list[int], list[float]]] = []
         #: Where the last prediction run wrote its CSV (set on rank 0).
         self.path: Path | None = None
 
     @override
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._rows = []
+        self._rows: list[tuple[int, list[int], list[float]]] = []
 
     @override
     def write_on_batch_end(
@@ -58,26 +57,22 @@ class PredictionWriter(BasePredictionWriter):
         values, classes = probs.topk(min(self.top_k, probs.shape[1]), dim=1)  # on the device: k columns come back
         self._rows += zip(prediction["index"].tolist(), classes.tolist(), values.float().tolist())
 
-    def _gathered_rows(self, trainer: pl.Trainer) -> list[tuple[int, list[int], list[float]]]:
-        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return self._rows
-        parts: list[Any] = [None] * trainer.world_size
-        dist.all_gather_object(parts, self._rows)
-        return [row for part in parts for row in part]
-
     @override
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        rows = sorted(self._gathered_rows(trainer))
-        self._rows = []
+        rows, self._rows = self._rows, []
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            parts: list[Any] = [None] * trainer.world_size
+            dist.all_gather_object(parts, rows)
+            rows = [row for part in parts for row in part]
+        rows.sort()
         # On every rank: the trainer's log folder is broadcast from rank 0, a collective.
         folder = trainer.log_dir if trainer.logger is not None and trainer.log_dir else "."
         path = Path(self.output) if self.output is not None else Path(folder) / "predictions.csv"
         if not trainer.is_global_zero:
             return
-        datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "samples"):
+        if not hasattr(trainer.datamodule, "samples"):
             raise ValueError("PredictionWriter needs a data module with samples('predict') to name the files.")
-        samples = datamodule.samples("predict")
+        samples = trainer.datamodule.samples("predict")
         names = getattr(pl_module.hparams, "class_names", None) or None
         path.parent.mkdir(parents=True, exist_ok=True)
         k = len(rows[0][1]) if rows else 0

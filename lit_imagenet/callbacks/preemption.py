@@ -41,22 +41,22 @@ def catch_requeue_signal() -> None:
         signal.signal(REQUEUE_SIGNAL, _note_requeue_signal)
 
 
-def requeue_handler_installed() -> bool:
-    """Whether ``catch_requeue_signal``'s handler holds the requeue signal now."""
-    return signal.getsignal(REQUEUE_SIGNAL) is _note_requeue_signal
-
-
 def requeue_signalled() -> bool:
     """Whether the requeue signal has come since ``catch_requeue_signal`` took it."""
     return _requeue_signalled
 
 
-def slurm_requeues(trainer: pl.Trainer) -> bool:
-    """Whether the run's cluster environment is SLURM's, requeueing on ``REQUEUE_SIGNAL`` (its defaults)."""
+def requeues_on_signal(trainer: pl.Trainer, stage: str) -> bool:
+    """Whether ``catch_requeue_signal`` took the signal and the run trains in SLURM's cluster environment, requeueing
+    on ``REQUEUE_SIGNAL`` (its defaults); if not, the signal again does what Lightning makes of it."""
+    if signal.getsignal(REQUEUE_SIGNAL) is not _note_requeue_signal:
+        return False
     env = getattr(trainer.strategy, "cluster_environment", None)  # None with one process: the default one
-    return env is None or (
-        isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == REQUEUE_SIGNAL
-    )
+    slurm = isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal == REQUEUE_SIGNAL
+    if stage == "fit" and (env is None or slurm):
+        return True
+    signal.signal(REQUEUE_SIGNAL, signal.SIG_DFL)
+    return False
 
 
 def requeue_slurm_job() -> int:
@@ -117,14 +117,10 @@ class SigtermConsensus(pl.Callback):
         if check_every_n_steps is not None and check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be at least 1. Got {check_every_n_steps}")
         self.check_every_n_steps = check_every_n_steps
-        self._signalled = False
-        self._max: DelayedMax | None = None
-        self._flag = torch.zeros(1, dtype=torch.int64)
-        self._batches = 0
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._max = None
+        self._max: DelayedMax | None = None
         if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return
         self._signalled, self._batches = False, 0

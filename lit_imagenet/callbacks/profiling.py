@@ -22,7 +22,6 @@ class Profile(pl.Callback):
             raise ValueError(f"steps must be at least 1. Got {steps}")
         self.start_step, self.steps, self.torch_trace = start_step, steps, torch_trace
         self.trace_path: Path | None = None
-        self._batch = 0
         self._active = False
         self._nvtx = False  # NVTX ranges: on CUDA, inside the window
         self._open_ranges = 0
