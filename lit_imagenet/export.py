@@ -48,11 +48,9 @@ def export(
     ends = {"state_dict": "_state_dict.pth", "program": ".pt2", "metadata": ".json"}
     paths = {key: out / f"{arch}{end}" for key, end in ends.items()}
     torch.save(network.state_dict(), paths["state_dict"])
-    example = torch.randn(2, 3, image_size, image_size)
+    example, batch = torch.randn(2, 3, image_size, image_size), torch.export.Dim("batch", min=1, max=4096)
     with torch.no_grad():
-        program = torch.export.export(
-            network, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},)
-        )
+        program = torch.export.export(network, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, paths["program"])
     metadata = {
         "arch": arch,
