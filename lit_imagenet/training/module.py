@@ -308,8 +308,7 @@ class ImageClassifier(pl.LightningModule):
             return
         figures, self._step_figures = read_host_copy(self._step_figures), None
         # Host tensors: Lightning turns a Python number into a tensor on the module's device, which waits.
-        names = ["train/loss", *self.train_metrics.keys()]
-        for name, value in zip(names, figures.unbind()):
+        for name, value in zip(["train/loss", *self.train_metrics.keys()], figures.unbind()):
             self.log(f"{name}_step", value, on_step=True, on_epoch=False)
 
     @override
@@ -351,8 +350,7 @@ class ImageClassifier(pl.LightningModule):
     @override
     def predict_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """Class probabilities, with the batch's sample indices (``index``) to find the files."""
-        probs = torch.softmax(self(batch[0]).float(), dim=1)
-        return {"probs": probs, "index": batch[1]}
+        return {"probs": torch.softmax(self(batch[0]).float(), dim=1), "index": batch[1]}
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
