@@ -42,17 +42,14 @@ def export(
     returns their paths under the keys ``state_dict``, ``program`` and ``metadata``. ``weights``: the trained
     (``raw``) or averaged (``ema``, of a run with ``--model.ema_decay``) weights."""
     network, hparams = load_network(checkpoint_path, weights)
-    out = Path(out_dir)
+    arch, out = hparams["arch"], Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    arch = hparams["arch"]
     ends = {"state_dict": "_state_dict.pth", "program": ".pt2", "metadata": ".json"}
     paths = {key: out / f"{arch}{end}" for key, end in ends.items()}
     torch.save(network.state_dict(), paths["state_dict"])
-    example = torch.randn(2, 3, image_size, image_size)
+    example, batch = torch.randn(2, 3, image_size, image_size), torch.export.Dim("batch", min=1, max=4096)
     with torch.no_grad():
-        program = torch.export.export(
-            network, (example,), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=4096)},)
-        )
+        program = torch.export.export(network, (example,), dynamic_shapes=({0: batch},))
     torch.export.save(program, paths["program"])
     metadata = {
         "arch": arch,

@@ -49,14 +49,11 @@ def test_schedule_state_round_trips_through_state_dict() -> None:
 def test_scaled_lr_is_per_256_images() -> None:
     assert scaled_lr(0.1, 256) == pytest.approx(0.1)
     assert scaled_lr(0.1, 2048) == pytest.approx(0.8)
-    with pytest.raises(ValueError, match="at least 1"):
-        scaled_lr(0.1, 0)
 
 
-@pytest.mark.parametrize("kwargs", [{"steps_per_epoch": 0}, {"steps_per_epoch": 5, "milestones": [60, 30]}])
-def test_schedule_refuses_bad_arguments(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
-        WarmupMultiStep(**kwargs)
+def test_schedule_refuses_milestones_out_of_order() -> None:
+    with pytest.raises(ValueError, match="increasing order"):
+        WarmupMultiStep(5, milestones=[60, 30])
 
 
 def test_cosine_warms_up_then_decays_to_zero_at_max_epochs() -> None:
@@ -87,12 +84,9 @@ def test_cosine_without_warmup_starts_at_full_rate_and_state_round_trips() -> No
     assert restored.lr_lambdas[0].steps_per_epoch == 10 and restored.lr_lambdas[0].max_epochs == 3
 
 
-@pytest.mark.parametrize(
-    "kwargs", [dict(steps_per_epoch=0, max_epochs=3), dict(steps_per_epoch=2, max_epochs=2, warmup_epochs=2)]
-)
-def test_cosine_refuses_bad_settings(kwargs: dict) -> None:
-    with pytest.raises(ValueError):
-        WarmupCosine(**kwargs)
+def test_cosine_refuses_a_warmup_as_long_as_the_run() -> None:
+    with pytest.raises(ValueError, match="must be below --trainer.max_epochs"):
+        WarmupCosine(2, max_epochs=2, warmup_epochs=2)
 
 
 def _torch_rates(warmup: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer, n: int) -> list[float]:

@@ -15,10 +15,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 
 def adjusted_decay(decay: float, global_batch: int, ema_steps: int, max_epochs: int) -> float:
-    """torchvision's adjustment of the EMA decay to the images between updates and the epochs:
-    ``1 - min(1, (1 - decay) * global_batch * ema_steps / max_epochs)``."""
-    if not 0 < decay < 1:
-        raise ValueError(f"The EMA decay must be in (0, 1). Got {decay}")
+    """torchvision's adjustment of the EMA decay to the images between updates and to the epochs."""
     return 1.0 - min(1.0, (1.0 - decay) * global_batch * ema_steps / max(1, max_epochs))
 
 
@@ -36,9 +33,6 @@ class WeightEMA(nn.Module):
 
     def set_extra_state(self, state: dict[str, bool]) -> None:
         self.fresh = bool(state["fresh"])
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.module(images)
 
     @torch.no_grad()
     def update(self, network: nn.Module, decay: float | None) -> None:

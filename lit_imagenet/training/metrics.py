@@ -29,6 +29,5 @@ class TopKAccuracy(MeanMetric):
 
 
 def topk_hits(logits: Tensor, targets: Tensor, k: int) -> Tensor:
-    """Per sample, whether its label is among the ``k`` highest logits (``k`` capped at the number of classes)."""
-    k = min(k, logits.shape[1])
+    """Per sample, whether its label is among the ``k`` highest logits."""
     return (logits.topk(k, dim=1).indices == targets.unsqueeze(1)).any(dim=1)

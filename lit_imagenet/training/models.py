@@ -10,6 +10,7 @@ import torchvision
 from torch import Tensor, nn
 
 _PREFIXES = ("model.", "module.", "_orig_mod.")
+_FILE_ENDS = (".pt", ".pth", ".ckpt", ".tar", ".bin")
 BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -19,22 +20,6 @@ def classifier_name(model: nn.Module) -> str:
     if not names:
         raise ValueError(f"{type(model).__name__} has no nn.Linear classifier head to replace.")
     return names[-1]
-
-
-def replace_head(model: nn.Module, num_classes: int) -> nn.Module:
-    """Swaps the final ``nn.Linear`` for a new one with ``num_classes`` outputs (no-op if it has them)."""
-    name = classifier_name(model)
-    head = model.get_submodule(name)
-    if head.out_features == num_classes:
-        return model
-    parent_name, _, attr = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, attr, nn.Linear(head.in_features, num_classes, bias=head.bias is not None))
-    return model
-
-
-def _looks_like_path(weights: str) -> bool:
-    return Path(weights).exists() or "/" in weights or weights.endswith((".pt", ".pth", ".ckpt", ".tar", ".bin"))
 
 
 def extract_state_dict(obj: object, source: str = "the weights file") -> dict[str, Tensor]:
@@ -53,9 +38,9 @@ def extract_state_dict(obj: object, source: str = "the weights file") -> dict[st
     return state
 
 
-def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
-    """Loads a state dict or checkpoint file into ``model``; returns the head's keys left out for their shape.
-    Anything else that does not fit raises ``ValueError`` naming the keys."""
+def load_weights_file(model: nn.Module, path: str | Path) -> None:
+    """Loads a state dict or checkpoint file into ``model``, but the head's keys of another shape. Anything else that
+    does not fit raises ``ValueError`` naming the keys."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Weights file {path} does not exist; give a torchvision weights name or a file path.")
@@ -79,7 +64,6 @@ def load_weights_file(model: nn.Module, path: str | Path) -> list[str]:
         pairs = (("missing", missing), ("unexpected", unexpected))
         detail = [f"{kind} {', '.join(keys[:5])}{' ...' if len(keys) > 5 else ''}" for kind, keys in pairs if keys]
         raise ValueError(f"{path} does not fit {type(model).__name__} ({'; '.join(detail)}); check --model.arch.")
-    return skipped
 
 
 def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.Module:
@@ -91,20 +75,23 @@ def build_model(arch: str, num_classes: int, weights: str | None = None) -> nn.M
         raise ValueError(f"Unknown architecture {arch!r}; choose one of torchvision's: {', '.join(names)}.")
     if num_classes < 1:
         raise ValueError(f"num_classes must be at least 1. Got {num_classes}")
-    if weights is None or _looks_like_path(weights):
+    if weights is None or Path(weights).exists() or "/" in weights or weights.endswith(_FILE_ENDS):
         model = torchvision.models.get_model(arch, num_classes=num_classes)
         if weights is not None:
             load_weights_file(model, weights)
         return model
     try:
-        enum = torchvision.models.get_model_weights(arch)
-        name = weights.split(".")[-1]
-        tv_weights = enum[name] if name != "DEFAULT" else enum.DEFAULT
+        tv_weights = torchvision.models.get_model_weights(arch)[weights.split(".")[-1]]  # DEFAULT: an alias member
     except (KeyError, ValueError):
         choices = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(arch))])
         raise ValueError(f"{arch} has no torchvision weights {weights!r}; use one of {choices} or a path.") from None
     model = torchvision.models.get_model(arch, weights=tv_weights)
-    return replace_head(model, num_classes)
+    name = classifier_name(model)
+    old = model.get_submodule(name)
+    if old.out_features != num_classes:  # a new head for this number of classes
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, nn.Linear(old.in_features, num_classes, bias=old.bias is not None))
+    return model
 
 
 def backbone_parameters(network: nn.Module, head_name: str) -> list[nn.Parameter]:

@@ -138,7 +138,6 @@ class ImageClassifier(pl.LightningModule):
         check_warmup(warmup_method, warmup_decay)
         # Not saved: a checkpoint's hyperparameters override the command line's when it is loaded with --ckpt_path.
         self.save_hyperparameters(ignore=["eval_weights"])
-        #: The weights of ``test``, ``predict`` and ``forward`` in eval mode.
         self.eval_weights = eval_weights
         self.model = models.build_model(arch, num_classes, weights)
         self.head_name = models.classifier_name(self.model)
@@ -170,10 +169,9 @@ class ImageClassifier(pl.LightningModule):
 
     @override
     def forward(self, images: Tensor) -> Tensor:
-        """Logits for a batch of normalised float images, or of uint8 images in [0, 255]; in eval mode from the
-        ``eval_weights``."""
+        """Logits for normalised float images or uint8 ones in [0, 255]; in eval mode from the ``eval_weights``."""
         ema = not self.training and self.eval_weights == "ema" and self.ema is not None
-        return self._logits(images, self.ema if ema else self.model)
+        return self._logits(images, self.ema.module if ema else self.model)
 
     def _normalized(self, images: Tensor) -> Tensor:
         if images.dtype != torch.uint8:
@@ -220,12 +218,10 @@ class ImageClassifier(pl.LightningModule):
         if trainer is not None and isinstance(trainer.precision_plugin, ApexAMP):
             return None, f"--model.compile {asked} asked for; apex AMP patches functions that torch.compile traces"
         device = trainer.strategy.root_device if trainer is not None else next(self.model.parameters()).device
-        if asked == "auto":
-            if device.type != "cuda":
-                return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
-            return "default", None
+        if asked == "auto" and device.type != "cuda":
+            return None, f"--model.compile auto compiles on CUDA devices only; this run trains on {device.type}"
         if asked != "cudagraphs":
-            return asked, None
+            return "default", None
         if device.type != "cuda":
             return "default", "CUDA graphs need a CUDA device"
         if trainer is not None and trainer.world_size > 1:
@@ -236,9 +232,8 @@ class ImageClassifier(pl.LightningModule):
 
     def _freeze_backbone(self, end: bool = False) -> None:
         """Freezes all but the classifier head in the first ``freeze_backbone_epochs``, unfreezes it after them."""
-        epochs = self.hparams.freeze_backbone_epochs
-        if epochs:
-            frozen = not end and self.current_epoch < epochs
+        if self.hparams.freeze_backbone_epochs:
+            frozen = not end and self.current_epoch < self.hparams.freeze_backbone_epochs
             models.set_backbone_frozen(self.model, self.head_name, frozen, self.training)
 
     @override
@@ -311,11 +306,9 @@ class ImageClassifier(pl.LightningModule):
             self._compile_clock = None
         if self._step_figures is None:
             return
-        figures = read_host_copy(self._step_figures)
-        self._step_figures = None
+        figures, self._step_figures = read_host_copy(self._step_figures), None
         # Host tensors: Lightning turns a Python number into a tensor on the module's device, which waits.
-        names = ["train/loss", *self.train_metrics.keys()]
-        for name, value in zip(names, figures.unbind()):
+        for name, value in zip(["train/loss", *self.train_metrics.keys()], figures.unbind()):
             self.log(f"{name}_step", value, on_step=True, on_epoch=False)
 
     @override
@@ -340,26 +333,24 @@ class ImageClassifier(pl.LightningModule):
         loss = self.criterion(logits, targets)
         metrics.update(logits, targets)
         loss_metric.update(loss, weight=targets.numel())
-        prefix = metrics.prefix or ""
-        self.log(f"{prefix}loss", loss_metric, on_step=False, on_epoch=True)
+        self.log(f"{metrics.prefix}loss", loss_metric, on_step=False, on_epoch=True)
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True)
 
     @override
     def validation_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
         self._eval_step(batch, self.val_metrics, self.val_loss, self.model)
         if self.ema is not None:
-            self._eval_step(batch, self.val_ema_metrics, self.val_ema_loss, self.ema)
+            self._eval_step(batch, self.val_ema_metrics, self.val_ema_loss, self.ema.module)
 
     @override
     def test_step(self, batch: Sequence[Tensor], batch_idx: int) -> None:
         ema = self.eval_weights == "ema" and self.ema is not None
-        self._eval_step(batch, self.test_metrics, self.test_loss, self.ema if ema else self.model)
+        self._eval_step(batch, self.test_metrics, self.test_loss, self.ema.module if ema else self.model)
 
     @override
     def predict_step(self, batch: Sequence[Tensor], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Tensor]:
         """Class probabilities, with the batch's sample indices (``index``) to find the files."""
-        probs = torch.softmax(self(batch[0]).float(), dim=1)
-        return {"probs": probs, "index": batch[1]}
+        return {"probs": torch.softmax(self(batch[0]).float(), dim=1), "index": batch[1]}
 
     @override
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
@@ -377,7 +368,6 @@ class ImageClassifier(pl.LightningModule):
                                       hp.norm_weight_decay, hp.bias_weight_decay)  # fmt: skip
 
     def _schedule(self, steps_per_epoch: int) -> WarmupMultiStep | WarmupCosine:
-        """The rate multiplier per step: ``step`` (warmup, then ``lr_gamma`` at each milestone) or ``cosine``."""
         hp = self.hparams
         if hp.lr_schedule == "step":
             return WarmupMultiStep(steps_per_epoch, hp.warmup_epochs, hp.milestones, hp.lr_gamma, hp.warmup_method,
@@ -410,7 +400,20 @@ class ImageClassifier(pl.LightningModule):
         global_batch, steps = optim.global_batch_size(self.trainer), optim.steps_per_epoch(self.trainer)
         grid, self._saved_grid = self._saved_grid, None
         if grid is not None and (grid["global_batch"], grid["steps_per_epoch"]) != (global_batch, steps):
-            self._move_schedule(scheduler, grid, global_batch, steps)
+            # Resumed with another global batch: at the same point of its epoch on this run's step grid.
+            epoch = self.trainer.current_epoch
+            done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
+            before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]
+            old_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
+            scheduler.last_epoch = epoch * steps + done
+            new_lr = scaled_lr(self.hparams.lr, global_batch) * self._schedule(steps)(scheduler.last_epoch)
+            before_world, world = grid.get("world_size", "a"), self.trainer.world_size
+            rank_zero_info(
+                f"Resumed a {before_world}-process run on {world} process{'es' if world > 1 else ''}: global batch "
+                f"{grid['global_batch']} -> {global_batch}, learning rate {old_lr:.4g} -> {new_lr:.4g} (lr x global "
+                f"batch / 256), epoch {epoch} on from its step {done} of {steps} (it was at {before} of "
+                f"{grid['steps_per_epoch']})."
+            )
         base_lr = scaled_lr(self.hparams.lr, global_batch)
         # This run's scales, of the optimizer's groups in order, and its schedules: a resumed LambdaLR and optimizer
         # hold the checkpoint's, whose settings this run may have changed.
@@ -419,24 +422,6 @@ class ImageClassifier(pl.LightningModule):
         for group, base, schedule in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["initial_lr"] = base
             group["lr"] = base * schedule(scheduler.last_epoch)
-
-    def _move_schedule(
-        self, scheduler: torch.optim.lr_scheduler.LambdaLR, grid: dict[str, int], global_batch: int, steps: int
-    ) -> None:
-        """Places a run resumed with another global batch at the same point of its epoch on this run's step grid."""
-        epoch = self.trainer.current_epoch
-        done = epoch_batches_done(self.trainer) // self.trainer.accumulate_grad_batches
-        before = scheduler.last_epoch - epoch * grid["steps_per_epoch"]
-        old_lr = float(self.trainer.optimizers[0].param_groups[0]["lr"])
-        scheduler.last_epoch = epoch * steps + done
-        new_lr = scaled_lr(self.hparams.lr, global_batch) * self._schedule(steps)(scheduler.last_epoch)
-        before_world, world = grid.get("world_size", "a"), self.trainer.world_size
-        rank_zero_info(
-            f"Resumed a {before_world}-process run on {world} process{'es' if world > 1 else ''}: global batch "
-            f"{grid['global_batch']} -> {global_batch}, learning rate {old_lr:.4g} -> {new_lr:.4g} (lr x global "
-            f"batch / 256), epoch {epoch} on from its step {done} of {steps} (it was at {before} of "
-            f"{grid['steps_per_epoch']})."
-        )
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

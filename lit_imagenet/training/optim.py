@@ -1,5 +1,4 @@
-"""The optimizer (the reference's SGD, AdamW, RMSprop), its parameter groups, and the loader's figures that its
-rates depend on."""
+"""The optimizer (SGD, AdamW, RMSprop), its parameter groups, and the loader's figures that its rates depend on."""
 
 from __future__ import annotations
 
@@ -10,11 +9,12 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lit_imagenet.training.models import BATCH_NORMS
+
 
 def global_batch_size(trainer: pl.Trainer) -> int:
     """Images per optimizer step over all processes: batch x processes x gradient accumulation."""
-    loader = trainer.train_dataloader
-    batch_size = getattr(loader, "batch_size", None)
+    batch_size = getattr(trainer.train_dataloader, "batch_size", None)
     if not batch_size:
         raise ValueError("The training loader has no batch_size; the learning rate is scaled by it.")
     return batch_size * trainer.world_size * trainer.accumulate_grad_batches
@@ -29,10 +29,8 @@ def steps_per_epoch(trainer: pl.Trainer) -> int:
 
 
 #: torchvision's normalisation layers, whose parameters take ``norm_weight_decay``.
-NORM_CLASSES: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.LayerNorm, nn.GroupNorm,
-    nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LocalResponseNorm,
-)  # fmt: skip
+NORM_CLASSES: tuple[type[nn.Module], ...] = (*BATCH_NORMS, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm,
+                                            nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)  # fmt: skip
 
 
 def parameter_groups(
@@ -50,12 +48,9 @@ def parameter_groups(
     for module_name, module in network.named_modules():
         part = "head" if module_name == head_name or module_name.startswith(f"{head_name}.") else "backbone"
         for name, param in module.named_parameters(recurse=False):
-            if bias_weight_decay is not None and name == "bias":
-                kind = "bias"
-            elif norm_weight_decay is not None and isinstance(module, NORM_CLASSES):
-                kind = "norm"
-            else:
-                kind = "other"
+            bias = bias_weight_decay is not None and name == "bias"
+            norm = norm_weight_decay is not None and isinstance(module, NORM_CLASSES)
+            kind = "bias" if bias else "norm" if norm else "other"
             sorted_params.setdefault((part, kind), []).append(param)
     decays = {"other": weight_decay, "norm": norm_weight_decay, "bias": bias_weight_decay}
     scales = {"head": 1.0, "backbone": backbone_lr_scale}
@@ -84,9 +79,7 @@ def build_optimizer(
         return optimizer
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, **extra)
-    if name == "rmsprop":
-        return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=0.0316, alpha=0.9)
-    raise ValueError(f"optimizer must be 'sgd', 'adamw' or 'rmsprop'. Got {name!r}")
+    return torch.optim.RMSprop(groups, lr=lr, momentum=momentum, weight_decay=weight_decay, eps=0.0316, alpha=0.9)
 
 
 def fused_by_default(name: str, device_type: str, apex: bool, gradient_clip_val: float | None) -> bool:

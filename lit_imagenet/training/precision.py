@@ -44,12 +44,11 @@ def _parse_loss_scale(loss_scale: float | str | None) -> float | str | None:
     if loss_scale is None or loss_scale == "dynamic":
         return loss_scale
     try:
-        value = float(loss_scale)
+        if float(loss_scale) > 0:
+            return float(loss_scale)
     except (TypeError, ValueError):
-        value = 0.0
-    if not value > 0:
-        raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}")
-    return value
+        pass
+    raise ValueError(f"loss_scale must be a positive number or 'dynamic'. Got {loss_scale!r}")
 
 
 class ApexAMP(Precision):
@@ -92,11 +91,8 @@ class ApexAMP(Precision):
         return self._amp
 
     def initialize(self, model: nn.Module, optimizers: list[Optimizer]) -> tuple[nn.Module, list[Optimizer]]:
-        """Calls ``amp.initialize`` on the bare model and its optimizers (before any DDP wrapping).
-
-        Raises:
-            ConfigError: apex AMP cannot be imported.
-        """
+        """Calls ``amp.initialize`` on the bare model and its optimizers, before DDP wraps them; raises ``ConfigError``
+        where apex AMP cannot be imported."""
         amp = self.amp
         if isinstance(model, DistributedDataParallel):
             raise RuntimeError(

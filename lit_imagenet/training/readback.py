@@ -16,7 +16,6 @@ def sync_device(pl_module: pl.LightningModule) -> None:
 
 def copy_to_host(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
     """Starts copying ``tensor`` to the host; returns the copy and, on CUDA, the event ``read_host_copy`` waits for."""
-    tensor = tensor.detach()
     if tensor.device.type != "cuda":
         return tensor.clone(), None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)

@@ -20,8 +20,6 @@ def check_warmup(method: str, decay: float | None) -> None:
 
 def scaled_lr(lr_per_256: float, global_batch: int) -> float:
     """The optimizer's base learning rate for ``global_batch`` images per step (the linear scaling rule)."""
-    if global_batch < 1:
-        raise ValueError(f"The global batch size must be at least 1. Got {global_batch}")
     return lr_per_256 * global_batch / 256.0
 
 
@@ -30,8 +28,6 @@ class _Warmup:
     object, so ``LambdaLR`` saves its attributes."""
 
     def __init__(self, steps_per_epoch: int, warmup_epochs: int, method: str, decay: float | None) -> None:
-        if steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be at least 1. Got {steps_per_epoch}")
         if warmup_epochs < 0:
             raise ValueError(f"warmup_epochs must not be negative. Got {warmup_epochs}")
         check_warmup(method, decay)
@@ -50,10 +46,8 @@ class _Warmup:
 
 
 class WarmupMultiStep(_Warmup):
-    """The reference's multiplier: called with the optimizer steps taken, the factor for the next step. The ``k``-th
-    step (from 1) of epoch ``e`` gets ``gamma ** (milestones reached by e)``, times ``(1 + k + e * steps_per_epoch) /
-    (warmup_epochs * steps_per_epoch)`` while ``e < warmup_epochs``; with ``warmup_decay`` set, torchvision's warmup
-    instead."""
+    """The reference's multiplier for the next step, given the steps taken: ``gamma ** (milestones reached)``, times
+    the warmup while ``epoch < warmup_epochs``."""
 
     def __init__(
         self,
@@ -79,9 +73,8 @@ class WarmupMultiStep(_Warmup):
 
 
 class WarmupCosine(_Warmup):
-    """Linear warmup to 1 (its ``n``-th step gets ``n / warmup_steps``; with ``warmup_decay`` set, torchvision's
-    warmup), then half a cosine down to 0 at the end of ``max_epochs``; called with the optimizer steps taken, the
-    factor for the next step."""
+    """The multiplier for the next step, given the steps taken: the warmup, then half a cosine down to 0 at the end of
+    ``max_epochs``."""
 
     def __init__(
         self,

@@ -22,8 +22,7 @@ class DefaultStreamDDPStrategy(DDPStrategy):
     @override
     @overrides_private(DDPStrategy)
     def _setup_model(self, model: Module) -> DistributedDataParallel:
-        device_ids = self.determine_ddp_device_ids()
-        return DistributedDataParallel(module=model, device_ids=device_ids, **ddp_kwargs(self))
+        return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **ddp_kwargs(self))
 
 
 class ApexDDPStrategy(DDPStrategy):
@@ -48,9 +47,6 @@ class ApexDDPStrategy(DDPStrategy):
         self.setup_precision_plugin()  # the plugin is initialised already: this only attaches it
 
 
-for _strategy, _description in (
-    (DefaultStreamDDPStrategy, "DDP with the model wrapped on the current CUDA stream"),
-    (ApexDDPStrategy, "DDP with apex AMP initialised before wrapping"),
-):
+for _strategy in (DefaultStreamDDPStrategy, ApexDDPStrategy):
     if _strategy.strategy_name not in StrategyRegistry:
-        StrategyRegistry.register(_strategy.strategy_name, _strategy, description=_description, start_method="popen")
+        StrategyRegistry.register(_strategy.strategy_name, _strategy, _strategy.__doc__, start_method="popen")
