@@ -60,9 +60,8 @@ def epoch_pass(
     ``reps`` 1), so the copies of a sample go to different processes."""
     indices, copies = epoch_samples(size, seed, epoch, reps)
     positions = np.arange(min(done, size), size)
-    pad = -len(positions) % replicas
-    if pad:
-        positions = np.concatenate([positions, np.resize(np.arange(size), pad)])  # repeats when pad > size
+    pad = np.resize(np.arange(size), -len(positions) % replicas)  # the epoch's first samples, repeated if need be
+    positions = np.concatenate([positions, pad])
     positions = positions[rank::replicas]
     picked = indices[positions]
     return picked, copy_seeds(sample_seeds(seed, epoch, picked), copies[positions])
