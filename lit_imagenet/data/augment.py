@@ -126,9 +126,8 @@ def apply_policy(transform: v2.Transform, img: Any, seed: int | None) -> Any:
 
 
 def augment_image(img: Any, seed: int | None, augment: Augment, transform: v2.Transform | None = None) -> Any:
-    """A training crop (a PIL image or a uint8 ``(C, H, W)`` tensor, on any device) with ``augment`` applied from
-    the sample's ``seed`` (a PIL image comes back as one unless erased); ``transform``: ``policy_transform(augment)``.
-    """
+    """``augment`` from the sample's ``seed`` on a training crop (PIL, which stays PIL unless erased, or a uint8
+    ``(C, H, W)`` tensor on any device); ``transform``: ``policy_transform(augment)``."""
     if transform is not None:
         img = apply_policy(transform, img, seed)
     if augment.random_erase > 0:

@@ -12,7 +12,6 @@ import torch
 
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10
-_DRAWS = 2 * CROP_TRIES + 3  # area fractions, aspect ratios, top, left, flip
 
 
 class CropBox(NamedTuple):
@@ -37,24 +36,22 @@ def uniform_draws(seeds: Sequence[int] | np.ndarray, count: int, first: int = 0)
     return (x >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-def crop_draws(
-    seeds: Sequence[int] | np.ndarray, scale: tuple[float, float], ratio: tuple[float, float] = CROP_RATIO
-) -> np.ndarray:
+def crop_draws(seeds: Sequence[int] | np.ndarray, scale: tuple[float, float]) -> np.ndarray:
     """Per sample, from its seed (``uniform_draws``), a float64 ``(N, 23)`` array: ten area fractions in ``scale``, ten
-    log-uniform aspect ratios (width / height) in ``ratio``, then uniforms for the top, the left and the flip."""
-    u = uniform_draws(seeds, _DRAWS)
+    log-uniform aspect ratios (width / height) in ``CROP_RATIO``, then uniforms for the top, the left and the flip."""
+    u = uniform_draws(seeds, 2 * CROP_TRIES + 3)  # area fractions, aspect ratios, top, left, flip
     t = CROP_TRIES
     out = u.copy()
     out[:, :t] = scale[0] + (scale[1] - scale[0]) * u[:, :t]
-    low, high = math.log(ratio[0]), math.log(ratio[1])
+    low, high = math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1])
     out[:, t : 2 * t] = np.exp(low + (high - low) * u[:, t : 2 * t])
     return out
 
 
-def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float] = CROP_RATIO) -> np.ndarray:
+def crop_windows(sizes: np.ndarray, draws: np.ndarray) -> np.ndarray:
     """RandomResizedCrop's boxes for ``(N, 2)`` heights and widths ``sizes`` and rows of ``crop_draws``: the first try
-    that fits, placed at random, else the largest centred box with an aspect ratio in ``ratio``. An int32 ``(N, 4)``
-    array of ``(top, left, height, width)``."""
+    that fits, placed at random, else the largest centred box with an aspect ratio in ``CROP_RATIO``. An int32
+    ``(N, 4)`` array of ``(top, left, height, width)``."""
     t = CROP_TRIES
     height, width = sizes[:, 0:1].astype(np.float64), sizes[:, 1:2].astype(np.float64)
     area = height * width
@@ -63,11 +60,10 @@ def crop_windows(sizes: np.ndarray, draws: np.ndarray, ratio: tuple[float, float
     h = np.floor(np.sqrt(area * s / r) + 0.5)
     fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
     found = fits.any(axis=1)
-    first = fits.argmax(axis=1)[:, None]  # the first try that fits
-    rows = np.arange(len(sizes))
+    first, rows = fits.argmax(axis=1), np.arange(len(sizes))  # the first try that fits
     height, width = height[:, 0], width[:, 0]
-    out_w = np.where(found, np.take_along_axis(w, first, 1)[:, 0], np.minimum(width, np.floor(height * ratio[1] + 0.5)))
-    out_h = np.where(found, np.take_along_axis(h, first, 1)[:, 0], np.minimum(height, np.floor(width / ratio[0] + 0.5)))
+    out_w = np.where(found, w[rows, first], np.minimum(width, np.floor(height * CROP_RATIO[1] + 0.5)))
+    out_h = np.where(found, h[rows, first], np.minimum(height, np.floor(width / CROP_RATIO[0] + 0.5)))
     top = np.where(found, np.floor(draws[rows, 2 * t] * (height - out_h + 1)), (height - out_h) // 2)
     left = np.where(found, np.floor(draws[rows, 2 * t + 1] * (width - out_w + 1)), (width - out_w) // 2)
     return np.stack([top, left, out_h, out_w], axis=1).astype(np.int32)

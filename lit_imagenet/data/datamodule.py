@@ -29,9 +29,7 @@ DECODERS = ("pil", "torchvision", "nvjpeg", "dali", "auto")
 
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity where the system has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 #: The default ``workers``: 4, or fewer where the process has fewer cores (more would only wait for them).
@@ -178,7 +176,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if predict_root is not None:
             self._splits["predict"] = scan_predict(Path(predict_root))
         if verify_images:
-            verify_image_files([p for samples in self._splits.values() for p, _ in samples], workers=max(1, workers))
+            verify_image_files([p for samples in self._splits.values() for p, _ in samples], workers=workers)
 
     @property
     def num_classes(self) -> int | None:
@@ -191,8 +189,7 @@ class ImageFolderDataModule(pl.LightningDataModule):
         return {name: i for i, name in enumerate(self.classes)}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to go on from the same sample: this run's processes, batch size, repeated
-        augmentation and training size."""
+        """What a resumed run needs to go on from the same sample (``split_sampler``), and the training split's size."""
         world = self.trainer.world_size if self.trainer is not None else 1
         train = len(self._splits["train"]) if "train" in self._splits else 0
         return {"world_size": world, "batch_size": self.batch_size, "ra_reps": self.ra_reps, "train_samples": train}
@@ -212,10 +209,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         if split not in self._splits:
             raise DataError(f"There is no {split!r} split; the data module has {sorted(self._splits)}.")
         return self._splits[split]
-
-    def train_transform(self) -> Callable[[Any], Any]:
-        """RandomResizedCrop to ``train_crop_size``, flip and ``augment``, on PIL images or uint8 tensors."""
-        return TrainCrop(self.train_crop_size, self.crop_scale, self.augment)
 
     def eval_transform(self) -> Callable[[Any], Any]:
         """Resize of the short side, then centre crop; on PIL images (``pil``) or uint8 tensors (the others)."""
@@ -241,30 +234,27 @@ class ImageFolderDataModule(pl.LightningDataModule):
             self._decoder_logged = choice
         return choice
 
-    def _memory_format(self) -> torch.memory_format:
-        use = self._device() is not None if self.channels_last is None else self.channels_last
-        return torch.channels_last if use else torch.contiguous_format
-
-    def _data_seed(self) -> int:
-        # PL_GLOBAL_SEED: set by seed_everything (--seed_everything).
-        return self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
-
     def _loader(self, split: str, train: bool, stage: str = "val") -> PrefetchLoader | DALILoader:
         decoder, samples, device = self.decoder_in_use(), self.samples(split), self._device()
-        memory_format = self._memory_format()
+        channels_last = device is not None if self.channels_last is None else self.channels_last
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
         crop, augment = (self.train_crop_size, self.augment) if train else (self.crop_size, Augment())
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))  # --seed_everything
         saved = self._saved if train else None
-        sampler = split_sampler(samples, train, self._data_seed(), self.trainer, self.batch_size, saved, self.ra_reps)
+        sampler = split_sampler(samples, train, seed, self.trainer, self.batch_size, saved, self.ra_reps)
         if decoder == "dali":
             processes = self.trainer.num_devices if self.trainer is not None else 1
+            # An int of --trainer.limit_*_batches; a fraction (1.0: all) Lightning applies to the loader's length.
+            limit = getattr(self.trainer, f"limit_{stage}_batches", None)
+            limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else None
             threads = self.dali_threads or max(2, min(8, usable_cores() // max(1, processes) // 2))
             return DALILoader(
                 samples, self.batch_size, train, crop, self.val_resize, self.crop_scale, threads=threads, device=device,
-                sampler=sampler, channels_last=memory_format == torch.channels_last, augment=augment, mean=self.mean,
+                sampler=sampler, channels_last=channels_last, augment=augment, mean=self.mean,
                 std=self.std, dtype=batch_dtype(self.trainer.precision if self.trainer is not None else None),
-                hw_decoder_load=self.hw_decoder_load, max_batches=None if train else self._batch_limit(stage),
+                hw_decoder_load=self.hw_decoder_load, max_batches=None if train else limit,
             )  # fmt: skip
-        transform = self.train_transform() if train else self.eval_transform()
+        transform = TrainCrop(self.train_crop_size, self.crop_scale, self.augment) if train else self.eval_transform()
         if decoder == "nvjpeg":
             dataset: ImageFolderDataset = EncodedImageFolderDataset(
                 samples, transform, train, crop, self.crop_scale, self.val_resize, self.gpu_share, augment=augment
@@ -279,12 +269,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
             persistent_workers=self.workers > 0 and (train or self.persistent_eval_workers),
             mean=self.mean, std=self.std, decode_ahead=self.gpu_decode_ahead,
         )  # fmt: skip
-
-    def _batch_limit(self, stage: str) -> int | None:
-        """The batches Lightning reads of an evaluation stage (``--trainer.limit_*_batches``), None for all."""
-        limit = getattr(self.trainer, f"limit_{stage}_batches", None) if self.trainer is not None else None
-        # A fraction (1.0: all) Lightning applies to the loader's length.
-        return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Decodes an ``EncodedBatch`` on ``device`` (when the prefetcher has not); other batches as usual."""

@@ -51,28 +51,12 @@ def collate_uint8(
 ) -> list[Tensor]:
     """Stacks same-sized PIL images and uint8 ``(3, H, W)`` tensors, mixed or not, and targets into
     ``[uint8 NCHW, int64 (N,)]``."""
-    if not batch:
-        raise ValueError("Cannot collate an empty batch.")
     targets = torch.tensor([int(t) for _, t in batch], dtype=torch.int64)
-    arrays = [_hwc_uint8(img) for img, _ in batch]
+    arrays = [img.permute(1, 2, 0).numpy() if isinstance(img, Tensor) else np.asarray(img) for img, _ in batch]
     shape = arrays[0].shape
     for i, a in enumerate(arrays):
         if a.shape != shape:
             raise ValueError(f"All images of a batch need one size. Image 0 is {shape}, image {i} is {a.shape}")
     # out: NHWC in C order, which np.stack alone does not give for transposed views (uint8 tensors' HWC views)
     nhwc = torch.from_numpy(np.stack(arrays, out=np.empty((len(arrays), *shape), dtype=np.uint8)))
-    images = nhwc.permute(0, 3, 1, 2)
-    if memory_format != torch.channels_last:
-        images = images.contiguous(memory_format=memory_format)
-    return [images, targets]
-
-
-def _hwc_uint8(img: Any) -> np.ndarray:
-    if isinstance(img, Tensor):
-        if img.dtype != torch.uint8 or img.ndim != 3:
-            raise ValueError(f"Expected uint8 (C, H, W) image tensors. Got {img.dtype} of shape {tuple(img.shape)}")
-        return img.permute(1, 2, 0).numpy()
-    array = np.asarray(img, dtype=np.uint8)
-    if array.ndim == 2:
-        array = array[:, :, None]
-    return array
+    return [nhwc.permute(0, 3, 1, 2).contiguous(memory_format=memory_format), targets]  # NHWC is channels_last

@@ -6,11 +6,8 @@ Every bad layout stops the run before training with a ``DataError`` naming the t
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
 
 from lit_imagenet.data.index import SampleTable, Scan, cached_scan
 from lit_imagenet.errors import DataError, undecodable_image
@@ -49,7 +46,6 @@ def scan_split(split_dir: str | Path) -> Scan:
             a file that is not an image, or an empty file (the first in the folders' order).
     """
     split_dir = Path(split_dir)
-    started = time.time_ns()
     if not split_dir.is_dir():
         raise DataError(f"Data folder {split_dir} does not exist; create it with one sub-folder of images per class.")
     folders = {".": os.stat(split_dir).st_mtime_ns}
@@ -57,25 +53,21 @@ def scan_split(split_dir: str | Path) -> Scan:
     if not classes:
         raise DataError(f"{split_dir} has no class folders; put the images of each class in a sub-folder of it.")
     names: list[bytes] = []
-    counts = []
-    for name in classes:
-        count = len(names)
+    labels: list[int] = []
+    for label, name in enumerate(classes):
         _walk(os.path.join(split_dir, name), name, names, folders)
-        if len(names) == count:
+        if len(names) == len(labels):
             raise DataError(f"Class folder {split_dir / name} holds no images; add images or remove the folder.")
-        counts.append(len(names) - count)
-    labels = np.repeat(np.arange(len(classes), dtype=np.int32), counts)
-    return Scan(classes, SampleTable.from_names(split_dir, names, labels), folders, started)
+        labels += [label] * (len(names) - len(labels))
+    return Scan(classes, SampleTable.from_names(split_dir, names, labels), folders)
 
 
 def check_same_classes(train_dir: Path, train: Sequence[str], other_dir: Path, other: Sequence[str]) -> None:
     """Refuses two splits whose class folders differ: their label indices would not match."""
     if list(train) == list(other):
         return
-    parts = []
-    for folder, only in ((train_dir, sorted(set(train) - set(other))), (other_dir, sorted(set(other) - set(train)))):
-        if only:
-            parts.append(f"only in {folder}: {', '.join(only[:10])}{' ...' if len(only) > 10 else ''}")
+    only = {train_dir: sorted(set(train) - set(other)), other_dir: sorted(set(other) - set(train))}
+    parts = [f"only in {d}: {', '.join(names[:10])}{' ...' * (len(names) > 10)}" for d, names in only.items() if names]
     raise DataError(
         f"{train_dir} and {other_dir} have different class folders ({'; '.join(parts)}); "
         "both splits need the same class folders."

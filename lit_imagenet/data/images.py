@@ -92,11 +92,8 @@ class _HeaderSizes(torch.utils.data.IterableDataset):
 
 
 class ImageSizes:
-    """The ``(height, width)`` of a table's images, read from their headers when first needed, and kept.
-
-    ``read_ahead`` has a loader worker process read the headers of an order of samples, ``AHEAD`` chunks ahead of
-    the chunks ``get`` takes from it, so that the training process does not wait on them.
-    """
+    """The ``(height, width)`` of a table's images, read from their headers when first needed (or by a worker process,
+    ``AHEAD`` chunks ahead of ``get``, after ``read_ahead``), and kept."""
 
     #: Headers a chunk of the reading worker's holds, and chunks it may read ahead of their use.
     CHUNK, AHEAD = 256, 16

@@ -1,6 +1,5 @@
 """The samples of a split as numpy arrays, and the index file that later runs read instead of walking the folders.
 
-Forked loader workers share a ``SampleTable``'s arrays without copies (reference counts would copy a list of tuples).
 The index keeps each scanned folder's modification time: an entry added, removed or renamed means a rescan.
 """
 
@@ -13,6 +12,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,7 +28,8 @@ _RACE_NS = 2_000_000_000
 
 
 class SampleTable(Sequence[tuple[str, int]]):
-    """A split's ``(path, label)`` samples in numpy arrays: a ``Sequence`` of pairs that workers share without copies.
+    """A split's ``(path, label)`` samples in numpy arrays: a ``Sequence`` of pairs that forked workers share without
+    copies (reference counts would copy a list of tuples).
 
     Args:
         root: The folder the relative paths start from (the split's folder).
@@ -106,16 +107,11 @@ class SampleTable(Sequence[tuple[str, int]]):
 
 @dataclass
 class Scan:
-    """A scanned split: class names, samples, each folder's ``st_mtime_ns`` (``"."``: the split) and its start time."""
+    """A scanned split: class names, samples and each folder's ``st_mtime_ns`` (``"."``: the split)."""
 
     classes: list[str]
     samples: SampleTable
     folders: dict[str, int]
-    started_ns: int
-
-    def racy(self) -> bool:
-        """Whether a folder was modified so close to the scan that a later change might not move its time."""
-        return any(mtime >= self.started_ns - _RACE_NS for mtime in self.folders.values())
 
 
 def default_index_dir() -> Path:
@@ -185,7 +181,7 @@ def read_index(path: str | os.PathLike[str], split_dir: str | os.PathLike[str]) 
                 raise StaleIndex(f"{folder} changed")
         except OSError:
             raise StaleIndex(f"{folder} is gone") from None
-    return Scan(classes, table, folders, started_ns=0)
+    return Scan(classes, table, folders)
 
 
 @contextlib.contextmanager
@@ -219,15 +215,13 @@ def cached_scan(split_dir: Path, index_dir: Path | None, scan: Callable[[Path], 
         return scan(split_dir)
     path = index_path(index_dir, split_dir)
     with _locked(path.with_name(path.name + ".lock")):
-        damaged = None
         try:
             return read_index(path, split_dir)
-        except StaleIndex:
-            pass
-        except CorruptIndex as err:
-            damaged = err
+        except (StaleIndex, CorruptIndex) as err:
+            damaged = err if isinstance(err, CorruptIndex) else None
+        started = time.time_ns()
         found = scan(split_dir)
-        if found.racy():
+        if any(mtime >= started - _RACE_NS for mtime in found.folders.values()):
             return found  # a folder is being changed now: the next run scans again
         try:
             write_index(path, found)

@@ -24,10 +24,6 @@ class Uint8Normalize(nn.Module):
 
     def __init__(self, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD) -> None:
         super().__init__()
-        if len(mean) != len(std):
-            raise ValueError(f"mean and std need one value per channel each. Got {len(mean)} and {len(std)}")
-        if any(s <= 0 for s in std):
-            raise ValueError(f"std values must be positive. Got {list(std)}")
         mean_t = torch.tensor(mean, dtype=torch.float64).view(1, -1, 1, 1)
         std_t = torch.tensor(std, dtype=torch.float64).view(1, -1, 1, 1)
         self.register_buffer("scale", (1.0 / (255.0 * std_t)).float(), persistent=False)
@@ -38,8 +34,7 @@ class Uint8Normalize(nn.Module):
             raise ValueError(f"Expected uint8 images. Got {images.dtype}")
         if images.ndim != 4 or images.shape[1] != self.scale.shape[1]:
             raise ValueError(f"Expected images of shape (N, {self.scale.shape[1]}, H, W). Got {tuple(images.shape)}")
-        out = images.to(dtype=dtype)
-        return out.mul_(self.scale.to(dtype)).add_(self.shift.to(dtype))
+        return images.to(dtype=dtype).mul_(self.scale.to(dtype)).add_(self.shift.to(dtype))
 
 
 class TrainCrop:
@@ -58,9 +53,6 @@ class TrainCrop:
         out = F.horizontal_flip(out) if flip else out
         # PIL crops stay PIL for the policy: transforms.v2 runs it faster on them than on their tensors.
         return augment_image(out, seed, self.augment, self.policy) if self.augment else out
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}(size={self.size}, scale={self.scale}, augment={self.augment})"
 
 
 def eval_transform(resize: int, crop_size: int, tensors: bool) -> Callable[[Any], Any]:

@@ -28,11 +28,9 @@ def sample_seeds(seed: int, epoch: int, indices: np.ndarray) -> np.ndarray:
 
 
 def epoch_samples(size: int, seed: int, epoch: int, reps: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """The sample indices of ``epoch`` over all processes, ``size`` long, and each one's copy number.
-
-    The permutation is fixed by ``seed + epoch // reps``; with ``reps`` above 1, the epoch takes its ``epoch % reps``-th
-    run of ``ceil(size / reps)`` samples, each ``reps`` times in a row, so ``reps`` epochs see the whole dataset.
-    """
+    """The sample indices of ``epoch`` over all processes, ``size`` long, and each one's copy number: a permutation
+    fixed by ``seed + epoch // reps``, or with ``reps`` above 1 its ``epoch % reps``-th run of ``ceil(size / reps)``
+    samples, each ``reps`` times in a row, so ``reps`` epochs see the whole dataset."""
     generator = torch.Generator().manual_seed(seed + epoch // reps)
     perm = torch.randperm(size, generator=generator).numpy()
     if reps == 1:
@@ -62,9 +60,8 @@ def epoch_pass(
     ``reps`` 1), so the copies of a sample go to different processes."""
     indices, copies = epoch_samples(size, seed, epoch, reps)
     positions = np.arange(min(done, size), size)
-    pad = -len(positions) % replicas
-    if pad:
-        positions = np.concatenate([positions, np.resize(np.arange(size), pad)])  # repeats when pad > size
+    pad = np.resize(np.arange(size), -len(positions) % replicas)  # the epoch's first samples, repeated if need be
+    positions = np.concatenate([positions, pad])
     positions = positions[rank::replicas]
     picked = indices[positions]
     return picked, copy_seeds(sample_seeds(seed, epoch, picked), copies[positions])
@@ -89,52 +86,34 @@ class EpochSeededSampler(DistributedSampler):
 
     def __init__(self, dataset: Dataset, seed: int, num_replicas: int = 1, rank: int = 0, reps: int = 1) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=False)
-        if reps < 1:
-            raise ValueError(f"reps must be at least 1. Got {reps}")
         self.reps = reps
-        self._resume: tuple[int, int, int] | None = None
+        self._resume: dict[int, tuple[int, int]] = {}  # epoch -> (samples skipped, reps) of its next pass
 
     def resume_at(self, epoch: int, samples_done: int, reps: int | None = None) -> None:
         """Sets the epoch, and skips its first ``samples_done`` samples, over all processes, in the next pass only;
         that pass keeps the order of ``reps`` (the resumed run's; ``None``: this sampler's)."""
         self.set_epoch(epoch)
-        self._resume = (epoch, samples_done, self.reps if reps is None else reps)
-
-    def _resumed(self) -> tuple[int, int, int]:
-        """``(epoch, samples skipped, reps)`` of the next pass: ``resume_at``'s for its epoch, else none skipped."""
-        resume = self._resume
-        return resume if resume is not None and resume[0] == self.epoch else (self.epoch, 0, self.reps)
+        self._resume = {epoch: (samples_done, self.reps if reps is None else reps)}
 
     def skips(self) -> int:
         """The samples of the current epoch, over all processes, that the next pass skips (``resume_at``)."""
-        return self._resumed()[1]
+        return self._resume.get(self.epoch, (0,))[0]
 
     def order(self) -> tuple[np.ndarray, np.ndarray]:
         """This process's sample indices of the next pass and their augmentation seeds (``epoch_pass``)."""
-        _, skips, reps = self._resumed()
+        skips, reps = self._resume.get(self.epoch, (0, self.reps))
         size = len(self.dataset)  # type: ignore[arg-type]
         return epoch_pass(size, self.seed, self.epoch, self.num_replicas, self.rank, skips, reps)
 
     def next_pass(self) -> tuple[np.ndarray, np.ndarray]:
         """``order``, as the next pass reads it: a resumed epoch's skip is used up."""
-        indices, seeds = self.order()
-        self._resume = None
-        return indices, seeds
+        order, self._resume = self.order(), {}
+        return order
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         indices, seeds = self.next_pass()
         chunks = range(0, len(indices), 4096)  # Python ints a chunk at a time, not an epoch's at once
         return (pair for a in chunks for pair in zip(indices[a : a + 4096].tolist(), seeds[a : a + 4096].tolist()))
-
-
-def resume_position(trainer: pl.Trainer, batches_per_epoch: int) -> tuple[int, int]:
-    """``(epoch, batches already trained in it)`` from the fit loop's restored progress (restored before the loader)."""
-    loop = trainer.fit_loop
-    if not loop.restarting:
-        return trainer.current_epoch, 0
-    epoch = max(loop.epoch_progress.current.started - 1, 0)
-    done = compat.epoch_batches_done(trainer)
-    return (epoch + 1, 0) if done >= batches_per_epoch else (epoch, done)
 
 
 class UnpaddedDistributedSampler(DistributedSampler):
@@ -144,9 +123,6 @@ class UnpaddedDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
         self.num_samples = len(range(rank, len(dataset), num_replicas))  # type: ignore[arg-type]
         self.total_size = len(dataset)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.total_size, self.num_replicas))
 
 
 def split_sampler(
@@ -172,8 +148,11 @@ def split_sampler(
     if trainer is None:
         return sampler
     old_world, old_batch = (saved["world_size"], saved["batch_size"]) if saved else (world, batch_size)
-    old_batches = math.ceil(math.ceil(len(dataset) / old_world) / old_batch)  # type: ignore[arg-type]
-    epoch, done = resume_position(trainer, old_batches)
+    epoch, done, loop = trainer.current_epoch, 0, trainer.fit_loop
+    if loop.restarting:  # the fit loop's progress is restored before the loader is made
+        epoch, done = max(loop.epoch_progress.current.started - 1, 0), compat.epoch_batches_done(trainer)
+        if done >= math.ceil(math.ceil(len(dataset) / old_world) / old_batch):  # type: ignore[arg-type]
+            epoch, done = epoch + 1, 0
     old_reps = (saved or {}).get("ra_reps", reps) if done else reps
     sampler.resume_at(epoch, done * old_batch * old_world, old_reps)  # every process trained its first batches
     if old_reps != reps:

@@ -143,14 +143,10 @@ class SyntheticDataModule(pl.LightningDataModule):
         if min(batch_size, crop_size, num_classes, train_steps) < 1 or val_steps < 0:
             raise ValueError("batch_size, crop_size, num_classes and train_steps must be positive.")
         self.batch_size, self.crop_size = batch_size, crop_size
-        self.classes = [f"class_{i}" for i in range(num_classes)]
+        self.num_classes, self.classes = num_classes, [f"class_{i}" for i in range(num_classes)]
         self.train_steps, self.val_steps = train_steps, val_steps
         self.channels_last = channels_last
         self.prefetch_device: torch.device | None = None
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
 
     def _batches(self, steps: int) -> _Repeated:
         device = self.prefetch_device or (self.trainer.strategy.root_device if self.trainer is not None else None)
