@@ -1,8 +1,6 @@
-"""The DALI pipeline graph (that of DALI's ResNet-50 example), and the external sources of its crops and sizes.
-
-The crop windows, flips and erased boxes come from the samples' seeds (``lit_imagenet.data.crops``, ``augment``)
-through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment policy is drawn
-in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``).
+"""The DALI pipeline graph (that of DALI's ResNet-50 example). The crop windows, flips and erased boxes come from the
+samples' seeds through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment
+policy is drawn in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``).
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ def _rows(iteration: int, count: int, batch_size: int) -> np.ndarray:
 
 @dataclass(eq=False)
 class CropSource:
-    """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``, and
-    with ``erase`` (``(p, crop side)``) the boxes to erase (``augment.erase_boxes``) as ``fn.erase`` takes them.
-    ``sizes``: the ``(height, width)`` of samples (``images.ImageSizes.get``)."""
+    """A training pipeline's external source: each batch's crop windows and flips from the samples' ``seeds``, and with
+    ``erase`` (``(p, crop side)``) the boxes to erase; ``sizes`` gives samples' ``(height, width)``."""
 
     indices: np.ndarray
     seeds: np.ndarray
