@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import pytorch_lightning as pl
@@ -175,13 +176,11 @@ class PrefetchLoader(SamplerSeed, DataLoader):
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
         """Yields the pass's batches, stopping its workers at the last one (they would hold memory)."""
         total = len(self)
-        for count, batch in enumerate(source, 1):
+        for count, batch in enumerate(islice(source, total), 1):
             if count == total:
                 stop_workers(source)
                 if self._pass_workers is source:
                     self._pass_workers = None
-                yield batch
-                return
             yield batch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -198,9 +197,8 @@ class PrefetchLoader(SamplerSeed, DataLoader):
 
 
 class CUDAPrefetch(pl.Callback):
-    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``, by setting
-    the data module's ``prefetch_device`` before Lightning creates the loaders; stops each evaluation's non-persistent
-    workers at its end. ``ImageClassifier`` attaches one unless given one."""
+    """Turns on the prefetcher (``PrefetchLoader``) on a CUDA device unless ``enabled=False``, through the data module's
+    ``prefetch_device``; stops each evaluation's non-persistent workers at its end. ``ImageClassifier`` attaches one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
