@@ -62,14 +62,12 @@ class DALILoader(SamplerSeed):
         samples: ``(path, class index)`` pairs of the split.
         batch_size: Images per batch.
         train: Random crop and flip (training) or resize and centre crop (evaluation).
-        crop_size: Side of the output images.
-        val_resize: Short side before the evaluation centre crop.
+        crop_size, val_resize: The side of the output images; the short side before the evaluation centre crop.
         crop_scale: Range of the crop's area, as a fraction of the image.
         threads: DALI's CPU threads.
         sampler: An ``EpochSeededSampler`` for training; for evaluation, indices, or ``None`` for all in order.
         device: A CUDA device for the pipeline, or ``None`` for the CPU.
-        channels_last: Lay the batch out as channels_last.
-        dtype: ``torch.float32`` or ``torch.float16``.
+        channels_last, dtype: Lay the batch out as channels_last; its dtype, ``torch.float32`` or ``torch.float16``.
         mean, std: Per-channel mean and standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
@@ -153,8 +151,7 @@ class DALILoader(SamplerSeed):
         # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
         self.sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         try:
-            pipe = build_pipeline(self, indices, seeds, seed)
-            pipe.build()
+            pipe = build_pipeline(self, indices, seeds, seed)  # built by the iterator
             return DALIGenericIterator(
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
@@ -201,10 +198,9 @@ class DALILoader(SamplerSeed):
             for found in pool.map(_decode_error, window):
                 if found is not None:
                     return found
-        message = str(err)
-        for path in window:
-            if path in message:
-                line = next((line for line in message.splitlines() if path in line), "DALI cannot decode it")
+        for line in str(err).splitlines():
+            path = next((path for path in window if path in line), None)
+            if path is not None:
                 return undecodable_image(path, " ".join(line.split()))
         return err
 
