@@ -1,6 +1,5 @@
 """JPEG decoding on the GPU (``--data.decoder nvjpeg``): workers read the bytes and draw the crops into an
-``EncodedBatch``, which ``decode`` turns into uint8 images on the device. Images left to the workers by ``gpu_share``,
-and files nvJPEG cannot read, are decoded by the workers."""
+``EncodedBatch``, which ``decode`` turns into uint8 images on the device; workers decode the rest (``gpu_share``)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, image_size
 
 
 class EncodedImage(NamedTuple):
-    """One encoded JPEG, its crop box, output side and flip; with ``augment``, its augmentation ``seed``."""
+    """One encoded JPEG, its crop box, output side and flip; in training, its ``seed`` (used with ``augment``)."""
 
     data: Tensor
     box: CropBox
@@ -83,7 +82,6 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if self.augment is not None and seed is None:  # drawn as crop_and_flip would: the augmentation shares it
             seed = int(torch.randint(0, 2**62, (1,)).item())
         box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
-        seed = seed if self.augment is not None else None
         return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
 
 
@@ -108,14 +106,13 @@ class GPUAugment:
         if self.augment.random_erase > 0:  # one mask for the batch: a kernel or two, not one per image
             height, width = images.shape[-2:]
             boxes = erase_boxes(self.seeds, height, width, self.augment.random_erase)  # 0 x 0 ones erase nothing
-            device = images.device
-            top, left, tall, wide = torch.from_numpy(boxes).to(device).unbind(1)
-            rows, cols = torch.arange(height, device=device), torch.arange(width, device=device)
+            top, left, tall, wide = torch.from_numpy(boxes).to(images.device).unbind(1)
+            rows, cols = torch.arange(height, device=images.device), torch.arange(width, device=images.device)
             in_rows = (rows >= top[:, None]) & (rows < (top + tall)[:, None])
             in_cols = (cols >= left[:, None]) & (cols < (left + wide)[:, None])
             mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]
-            where = torch.tensor(self.positions, dtype=torch.int64, device=device)
-            fill = torch.tensor(self.augment.fill, dtype=images.dtype, device=device).view(1, 3, 1, 1)
+            where = torch.tensor(self.positions, dtype=torch.int64, device=images.device)
+            fill = torch.tensor(self.augment.fill, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
             images.index_copy_(0, where, torch.where(mask, fill, images.index_select(0, where)))
         return images
 
