@@ -124,8 +124,8 @@ def mark_sigterm(trainer: pl.Trainer) -> None:
 
 
 def count_epoch_as_started(trainer: pl.Trainer) -> None:
-    """Counts the current epoch as started if it is not (after a resume from its last step), so that a checkpoint
-    inside the epoch does not look like one at its end."""
+    """Counts the current epoch as started if Lightning has not (after a resume from its last step), so that a
+    checkpoint inside the epoch does not look like one at its end."""
     progress = trainer.fit_loop.epoch_progress
     if progress.current.started <= progress.current.processed:
         progress.increment_ready()
