@@ -1,5 +1,5 @@
-"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): workers read the bytes and draw the crops into an
-``EncodedBatch``, which ``decode`` turns into uint8 images on the device; workers decode the rest (``gpu_share``)."""
+"""GPU decoding (``--data.decoder nvjpeg``): workers read the JPEG bytes and draw the crops into an ``EncodedBatch``,
+which ``decode`` turns into uint8 images on the device; the workers decode the rest (``gpu_share``, other formats)."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ class EncodedBatch:
         blob: uint8, the encoded files end to end (a tensor each would hold a shared-memory file descriptor each);
             ``lengths``: their sizes in bytes; ``crops``: each one's crop box, whether to mirror it, and its path.
         encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
-        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded and augmented (or ``None``).
+        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented), or ``None``.
         size, memory_format: The side ``S`` and the memory format of the output batch.
         seeds, augment: The encoded images' augmentation seeds and their augmentations, or ``[]`` and ``None``.
     """
