@@ -1,6 +1,5 @@
 """The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``: the
-sampler gives the order, shard and seeds; a training epoch gets a pipeline of its own, an evaluation loader keeps one.
-"""
+sampler gives the order, shard and seeds; each training epoch builds a pipeline, evaluation passes reuse one."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The DALI pipeline graph (that of DALI's ResNet-50 example). The crop windows, flips and erased boxes come from the
 samples' seeds through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment
-policy is drawn in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``).
-"""
+policy is drawn in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``)."""
 
 from __future__ import annotations
 
