@@ -1,7 +1,5 @@
-"""lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning.
-
-Its layers and modules: docs/design.md ("Packages"); using it from Python: README.md.
-"""
+"""lit_imagenet: train and fine-tune torchvision classifiers on ImageFolder data with PyTorch Lightning; using it from
+Python: README.md; its layers and modules: docs/design.md ("Packages")."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Every private attribute of Lightning (and torch) that the package reads, and every change it makes to Lightning's
-loop progress, each behind one function.
-
-A missing attribute raises ``LightningCompatError`` naming it and the versions; ``tests/test_compat.py`` reads each,
-and checks that each private hook marked with ``overrides_private`` still exists.
-"""
+"""Every private attribute of Lightning (and torch) the package reads, and every change it makes to Lightning's loop
+progress, each behind one function; a missing one raises ``LightningCompatError`` naming it and the versions."""
 
 from __future__ import annotations
 
@@ -128,8 +124,8 @@ def mark_sigterm(trainer: pl.Trainer) -> None:
 
 
 def count_epoch_as_started(trainer: pl.Trainer) -> None:
-    """Counts the current training epoch as started, if it is not yet (Lightning does not after a resume from an
-    epoch's last step, and a checkpoint inside the epoch would look like one at its end)."""
+    """Counts the current epoch as started if Lightning has not (after a resume from its last step), so that a
+    checkpoint inside the epoch does not look like one at its end."""
     progress = trainer.fit_loop.epoch_progress
     if progress.current.started <= progress.current.processed:
         progress.increment_ready()
@@ -173,9 +169,8 @@ def run_after_closure(plugin: pl.plugins.Precision, model: pl.LightningModule, o
 
 
 def record_cut_epoch_as_unfinished(trainer: pl.Trainer, checkpoint: dict[str, Any]) -> bool:
-    """Records the current training epoch as unfinished in ``checkpoint`` when it ended before its last batch
-    (``max_steps``, ``max_time``, ``should_stop``): Lightning counts it as processed, and a run resumed from such a
-    checkpoint would start the next epoch. Returns whether it changed ``checkpoint``."""
+    """Records in ``checkpoint`` the current epoch as unfinished when it stopped before its last batch (``max_steps``,
+    ``should_stop``): Lightning counts it as done, and a resumed run would skip its rest. Returns whether it did."""
     fit = checkpoint.get("loops", {}).get("fit_loop")
     last = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
     if not fit or last or epoch_batches_done(trainer) >= trainer.num_training_batches:

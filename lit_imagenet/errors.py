@@ -18,8 +18,7 @@ class ConfigError(UserError):
 
 
 def undecodable_image(path: str | os.PathLike[str], reason: str) -> DataError:
-    """The error for an image file that cannot be used, whoever finds it: missing (its folder changed after the
-    scan), a broken link, or undecodable for ``reason``."""
+    """The error for an unusable image, whoever finds it: missing, a broken link, or undecodable for ``reason``."""
     if not os.path.lexists(path):
         return DataError(
             f"Image {path} is missing: its folder changed after it was scanned; run again, which scans it anew."

@@ -1,6 +1,5 @@
-"""JPEG decoding on the GPU (``--data.decoder nvjpeg``): workers read the bytes and draw the crops into an
-``EncodedBatch``, which ``decode`` turns into uint8 images on the device. Images left to the workers by ``gpu_share``,
-and files nvJPEG cannot read, are decoded by the workers."""
+"""GPU decoding (``--data.decoder nvjpeg``): workers read the JPEG bytes and draw the crops into an ``EncodedBatch``,
+which ``decode`` turns into uint8 images on the device; the workers decode the rest (``gpu_share``, other formats)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,8 +21,7 @@ from lit_imagenet.data.images import decode_rgb_bytes, gpu_decodable, image_size
 
 
 class EncodedImage(NamedTuple):
-    """One encoded JPEG with the region to crop from it, the output side and whether to mirror it; for training with
-    ``augment``, the sample's augmentation ``seed``."""
+    """One encoded JPEG, its crop box, output side and flip; in training, its ``seed`` (used with ``augment``)."""
 
     data: Tensor
     box: CropBox
@@ -37,8 +34,6 @@ class EncodedImage(NamedTuple):
 
 def gpu_share_picks(index: int, share: float) -> bool:
     """Whether sample ``index`` is one of the ``share`` of the data decoded on the GPU (fixed per sample)."""
-    if share >= 1.0 or share <= 0.0:
-        return share >= 1.0
     return ((index * 2654435761) & 0xFFFFFFFF) < share * 2**32  # Knuth's multiplicative hash: an even spread
 
 
@@ -87,7 +82,6 @@ class EncodedImageFolderDataset(ImageFolderDataset):
         if self.augment is not None and seed is None:  # drawn as crop_and_flip would: the augmentation shares it
             seed = int(torch.randint(0, 2**62, (1,)).item())
         box, flip = crop_and_flip(height, width, seed, self.crop_scale)  # the rule of every decoder
-        seed = seed if self.augment is not None else None
         return EncodedImage(data, box, self.crop_size, flip, path, seed, self.augment), target
 
 
@@ -96,9 +90,8 @@ _policy = functools.cache(policy_transform)  # one transform per ``Augment``, no
 
 @dataclass(frozen=True)
 class GPUAugment:
-    """The augmentations of the images of a batch decoded on the device: ``augment`` from each one's ``seed``. Apart
-    from ``decode``, so that the prefetcher's decode thread leaves it to the training thread: the policy seeds torch's
-    process-wide generators, which that thread draws from meanwhile."""
+    """``augment`` from each ``seed`` on a batch's images decoded on the device; apart from ``decode``, so that the
+    training thread runs it, not the prefetcher's: the policy seeds torch's generators, which that thread draws from."""
 
     positions: list[int]
     seeds: list[int]
@@ -110,20 +103,17 @@ class GPUAugment:
         if transform is not None:
             for pos, seed in zip(self.positions, self.seeds):
                 images[pos] = apply_policy(transform, images[pos], seed)
-        if self.augment.random_erase > 0:
+        if self.augment.random_erase > 0:  # one mask for the batch: a kernel or two, not one per image
             height, width = images.shape[-2:]
-            boxes = erase_boxes(self.seeds, height, width, self.augment.random_erase)
-            kept = np.flatnonzero(boxes[:, 2] > 0)
-            if len(kept) > 0:  # one mask for the batch: a kernel or two, not one per image
-                device = images.device
-                top, left, tall, wide = torch.from_numpy(boxes[kept]).to(device).unbind(1)
-                rows, cols = torch.arange(height, device=device), torch.arange(width, device=device)
-                in_rows = (rows >= top[:, None]) & (rows < (top + tall)[:, None])
-                in_cols = (cols >= left[:, None]) & (cols < (left + wide)[:, None])
-                mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]
-                where = torch.tensor([self.positions[k] for k in kept], dtype=torch.int64, device=device)
-                fill = torch.tensor(self.augment.fill, dtype=images.dtype, device=device).view(1, 3, 1, 1)
-                images.index_copy_(0, where, torch.where(mask, fill, images.index_select(0, where)))
+            boxes = erase_boxes(self.seeds, height, width, self.augment.random_erase)  # 0 x 0 ones erase nothing
+            top, left, tall, wide = torch.from_numpy(boxes).to(images.device).unbind(1)
+            rows, cols = torch.arange(height, device=images.device), torch.arange(width, device=images.device)
+            in_rows = (rows >= top[:, None]) & (rows < (top + tall)[:, None])
+            in_cols = (cols >= left[:, None]) & (cols < (left + wide)[:, None])
+            mask = (in_rows[:, :, None] & in_cols[:, None, :])[:, None]
+            where = torch.tensor(self.positions, dtype=torch.int64, device=images.device)
+            fill = torch.tensor(self.augment.fill, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
+            images.index_copy_(0, where, torch.where(mask, fill, images.index_select(0, where)))
         return images
 
 
@@ -136,8 +126,8 @@ class EncodedBatch:
         blob: uint8, the encoded files end to end (a tensor each would hold a shared-memory file descriptor each);
             ``lengths``: their sizes in bytes; ``crops``: each one's crop box, whether to mirror it, and its path.
         encoded_positions, decoded_positions: The positions in the batch of the encoded and the decoded images.
-        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented) already (or ``None``).
-        size: The side ``S`` of the output images; ``memory_format``: that of the output batch.
+        decoded: uint8 ``(M, 3, S, S)`` images the workers decoded (and augmented), or ``None``.
+        size, memory_format: The side ``S`` and the memory format of the output batch.
         seeds, augment: The encoded images' augmentation seeds and their augmentations, or ``[]`` and ``None``.
     """
 
@@ -183,9 +173,8 @@ class EncodedBatch:
         )
 
     def decode(self, device: torch.device | str, augment: bool = True) -> list[Tensor]:
-        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``, the JPEGs decoded there, and with
-        ``augment`` augmented there (``gpu_augment``; else left to the caller). Raises ``DataError`` naming a bad file.
-        """
+        """``[uint8 (N, 3, S, S) images, int64 (N,) targets]`` on ``device``, the JPEGs decoded there and, with
+        ``augment``, augmented (``gpu_augment``; else left to the caller). Raises ``DataError`` naming a bad file."""
         device = torch.device(device)
         side = [self.size, self.size]
         images = torch.empty((len(self), 3, *side), dtype=torch.uint8, device=device, memory_format=self.memory_format)
@@ -200,9 +189,8 @@ class EncodedBatch:
             out = _scripted_resize_crops()(pictures, boxes, flips, self.size)
             where = torch.tensor(self.encoded_positions, dtype=torch.int64, device=device)
             images.index_copy_(0, where, out)
-            pending = self.gpu_augment
-            if augment and pending is not None:
-                images = pending(images)
+            if augment and self.gpu_augment is not None:
+                images = self.gpu_augment(images)
         return [images, self.targets.to(device, non_blocking=True)]
 
 
@@ -248,8 +236,6 @@ def _decode_all(items: Sequence[EncodedImage], device: torch.device) -> list[Ten
 
 def collate_encoded(batch: Sequence[tuple[Any, int]], memory_format: torch.memory_format) -> EncodedBatch:
     """Collates ``(EncodedImage or uint8 (3, S, S) tensor, label)`` pairs into an ``EncodedBatch``."""
-    if not batch:
-        raise ValueError("Cannot collate an empty batch.")
     sides = [item.size if isinstance(item, EncodedImage) else int(item.shape[-1]) for item, _ in batch]
     for pos, side in enumerate(sides):
         if side != sides[0]:

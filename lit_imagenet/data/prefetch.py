@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import islice
 from typing import Any
 
 import pytorch_lightning as pl
@@ -39,9 +40,8 @@ def _pinned(batch: Any) -> Any:
 
 class CUDAPrefetcher:
     """Iterates ``source`` one batch ahead, copying it to ``device`` and normalising its uint8 images on a side stream.
-    A batch with a ``decode(device)`` method (nvJPEG's, which blocks its thread until the GPU is done), and with ``pin``
-    every batch, is pinned, copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead;
-    its ``gpu_augment`` runs in the iterating thread (its draws use torch's process-wide generators)."""
+    A batch with a ``decode(device)`` method (nvJPEG's, which blocks its thread), and with ``pin`` every batch, is
+    pinned, copied and decoded in a thread and stream of its own, up to ``decode_ahead`` batches ahead."""
 
     def __init__(
         self,
@@ -78,9 +78,8 @@ class CUDAPrefetcher:
             if self.pin:
                 batch = _pinned(batch)  # freed for reuse once the copy below has run
             if hasattr(batch, "decode"):
-                augment = getattr(batch, "gpu_augment", None)
-                # kept in uint8 while queued: a quarter of the bytes of float32
-                out = batch.decode(self.device, augment=False) if augment is not None else batch.decode(self.device)
+                augment = getattr(batch, "gpu_augment", None)  # run by the iterating thread, as torch's generators are
+                out = batch.decode(self.device, augment=augment is None)  # uint8 while queued: a quarter of float32
             else:
                 out = self._normalized(_map(batch, lambda t: t.to(self.device, non_blocking=True)))
             done = torch.cuda.Event()
@@ -131,7 +130,21 @@ class CUDAPrefetcher:
         return batch
 
 
-class PrefetchLoader(DataLoader):
+class SamplerSeed:
+    """A loader's ``state_dict``: its sampler's seed, saved in checkpoints, so that a resumed run keeps its order."""
+
+    sampler: Any
+
+    def state_dict(self) -> dict[str, Any]:
+        seed = getattr(self.sampler, "seed", None)
+        return {} if seed is None else {"seed": int(seed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "seed" in state_dict and hasattr(self.sampler, "seed"):
+            self.sampler.seed = int(state_dict["seed"])
+
+
+class PrefetchLoader(SamplerSeed, DataLoader):
     """A ``DataLoader`` that, given a CUDA ``device``, yields batches through a ``CUDAPrefetcher`` normalising with
     ``mean`` and ``std``, which then does ``pin_memory`` (``pins_in_prefetcher``); else a plain ``DataLoader``."""
 
@@ -145,7 +158,8 @@ class PrefetchLoader(DataLoader):
         **kwargs: Any,
     ) -> None:
         self.device = torch.device(device) if device is not None else None
-        self.pins_in_prefetcher = bool(kwargs.get("pin_memory")) and self._prefetches()
+        on_cuda = self.device is not None and self.device.type == "cuda"
+        self.pins_in_prefetcher = bool(kwargs.get("pin_memory")) and on_cuda
         if self.pins_in_prefetcher:
             kwargs["pin_memory"] = False  # no pin thread: the prefetcher pins
         super().__init__(*args, **kwargs)
@@ -153,34 +167,20 @@ class PrefetchLoader(DataLoader):
         self.decode_ahead = decode_ahead
         self._pass_workers: Iterator[Any] | None = None  # the iterator of a pass whose workers stop with it
 
-    def _prefetches(self) -> bool:
-        return self.device is not None and self.device.type == "cuda"
-
     def stop_workers(self) -> None:
         """Stops the non-persistent workers of a pass that ended before its last batch (``limit_val_batches``)."""
         source, self._pass_workers = self._pass_workers, None
         if source is not None:
             stop_workers(source)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's seed, saved in checkpoints: a resumed run keeps the data order it started with."""
-        seed = getattr(self.sampler, "seed", None)
-        return {} if seed is None else {"seed": int(seed)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "seed" in state_dict and hasattr(self.sampler, "seed"):
-            self.sampler.seed = int(state_dict["seed"])
-
     def _epoch(self, source: Iterator[Any]) -> Iterator[Any]:
         """Yields the pass's batches, stopping its workers at the last one (they would hold memory)."""
         total = len(self)
-        for count, batch in enumerate(source, 1):
+        for count, batch in enumerate(islice(source, total), 1):
             if count == total:
                 stop_workers(source)
                 if self._pass_workers is source:
                     self._pass_workers = None
-                yield batch
-                return
             yield batch
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -190,16 +190,15 @@ class PrefetchLoader(DataLoader):
             self.stop_workers()  # a pass left unfinished
             self._pass_workers = source
             source = self._epoch(source)
-        if not self._prefetches():
+        if self.device is None or self.device.type != "cuda":
             return source
         normalize = Uint8Normalize(self.mean, self.std)
         return CUDAPrefetcher(source, self.device, normalize, self.decode_ahead, pin=self.pins_in_prefetcher)
 
 
 class CUDAPrefetch(pl.Callback):
-    """Turns on the side-stream prefetcher (``PrefetchLoader``) on a CUDA device, unless ``enabled=False``, by setting
-    the data module's ``prefetch_device`` before Lightning creates the loaders; stops each evaluation's non-persistent
-    workers at its end. ``ImageClassifier`` attaches one unless given one."""
+    """Turns on the prefetcher (``PrefetchLoader``) on a CUDA device unless ``enabled=False``, through the data module's
+    ``prefetch_device``; stops each evaluation's non-persistent workers at its end. ``ImageClassifier`` attaches one."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled

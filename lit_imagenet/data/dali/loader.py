@@ -1,13 +1,9 @@
-"""The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``.
-
-The sampler gives the order, shard and augmentation seeds, as for the other decoders. A training epoch gets a
-pipeline of the sampler's order; an evaluation loader builds one pipeline and reads it at each pass.
-"""
+"""The DALI loader (``--data.decoder dali``, an optional dependency imported only then), like a ``DataLoader``: the
+sampler gives the order, shard and seeds; each training epoch builds a pipeline, evaluation passes reuse one."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
@@ -22,6 +18,7 @@ from lit_imagenet.data.augment import Augment
 from lit_imagenet.data.dali.pipeline import build_pipeline, pipeline_seed
 from lit_imagenet.data.images import ImageSizes, load_rgb
 from lit_imagenet.data.index import SampleTable
+from lit_imagenet.data.prefetch import SamplerSeed
 from lit_imagenet.data.presets import IMAGENET_MEAN, IMAGENET_STD
 from lit_imagenet.data.samplers import EpochSeededSampler
 from lit_imagenet.errors import ConfigError, DataError, undecodable_image
@@ -56,31 +53,24 @@ def batch_dtype(precision: str | None) -> torch.dtype:
     return torch.float16 if str(precision).startswith("16") else torch.float32
 
 
-class DALILoader:
-    """Batches ``[images, int64 labels]`` from a DALI pipeline, normalised and ready for the model.
-
-    Iterable like a ``DataLoader``, with a ``sampler``, a ``batch_size`` and a length. Images are ``(N, 3, S, S)``
-    in ``dtype`` on ``device`` (CUDA) or on the CPU.
+class DALILoader(SamplerSeed):
+    """Batches ``[(N, 3, S, S) images, int64 labels]`` from a DALI pipeline, normalised, on ``device`` or the CPU;
+    iterable like a ``DataLoader``, with a ``sampler``, a ``batch_size`` and a length.
 
     Args:
         samples: ``(path, class index)`` pairs of the split.
         batch_size: Images per batch.
         train: Random crop and flip (training) or resize and centre crop (evaluation).
-        crop_size: Side of the output images.
-        val_resize: Short side before the evaluation centre crop.
+        crop_size, val_resize: The side of the output images; the short side before the evaluation centre crop.
         crop_scale: Range of the crop's area, as a fraction of the image.
         threads: DALI's CPU threads.
-        sampler: The order: an ``EpochSeededSampler`` for training; for evaluation, indices, or ``None`` for
-            every sample in order.
+        sampler: An ``EpochSeededSampler`` for training; for evaluation, indices, or ``None`` for all in order.
         device: A CUDA device for the pipeline, or ``None`` for the CPU.
-        channels_last: Lay the batch out as channels_last.
-        dtype: ``torch.float32`` or ``torch.float16``.
-        mean: Per-channel mean of images scaled to [0, 1].
-        std: Per-channel standard deviation of images scaled to [0, 1].
+        channels_last, dtype: Lay the batch out as channels_last; its dtype, ``torch.float32`` or ``torch.float16``.
+        mean, std: Per-channel mean and standard deviation of images scaled to [0, 1].
         hw_decoder_load: On CUDA, the share of the JPEGs sent to the GPU's hardware JPEG decoder.
         max_batches: Evaluation only: the batches a pass reads (Lightning's ``limit_*_batches``), None for all.
-        augment: Training only: the auto-augment policy (``ta_wide``, ``ra``: ``nvidia.dali.auto_aug``, drawn from
-            ``pipeline_seed``) and the random erasing; the crops, flips and erased boxes are the other decoders'.
+        augment: Training only: the auto-augment policy (``ta_wide``, ``ra``, drawn in the pipeline) and random erasing.
 
     Raises:
         ConfigError: ``augment``'s policy is ``augmix``, which DALI does not have.
@@ -131,8 +121,7 @@ class DALILoader:
         self.device = device
         self.channels_last = channels_last
         self.dtype = dtype
-        self.mean = tuple(mean)
-        self.std = tuple(std)
+        self.mean, self.std = tuple(mean), tuple(std)
         self.hw_decoder_load = hw_decoder_load
         self.max_batches = None if train or max_batches is None else max(0, int(max_batches))
         self.augment = augment if train and augment else None
@@ -144,14 +133,6 @@ class DALILoader:
         count = len(self.sampler) if self.sampler is not None else len(self.samples)  # type: ignore[arg-type]
         batches = math.ceil(count / self.batch_size)
         return batches if self.max_batches is None else min(batches, self.max_batches)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The sampler's seed, saved in checkpoints, as ``PrefetchLoader`` saves it."""
-        return {"seed": int(self.sampler.seed)} if hasattr(self.sampler, "seed") else {}  # type: ignore[union-attr]
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "seed" in state_dict and hasattr(self.sampler, "seed"):
-            self.sampler.seed = int(state_dict["seed"])  # type: ignore[union-attr]
 
     def _order(self) -> tuple[np.ndarray, np.ndarray | None, int]:
         """The sample indices of the next pass, and for training their augmentation seeds; the pipeline's seed."""
@@ -169,8 +150,7 @@ class DALILoader:
         # The first batches' sizes are read as DALI prepares them; a loader worker reads on from there.
         self.sizes.read_ahead(indices, start=(1 + _BATCHES_AHEAD) * self.batch_size)
         try:
-            pipe = build_pipeline(self, indices, seeds, seed)
-            pipe.build()
+            pipe = build_pipeline(self, indices, seeds, seed)  # built by the iterator
             return DALIGenericIterator(
                 [pipe], ["images", "labels"], reader_name="Reader", last_batch_policy=LastBatchPolicy.PARTIAL
             )
@@ -194,7 +174,6 @@ class DALILoader:
                 return
             source = self._build(indices, seeds, seed)
         total = math.ceil(len(indices) / self.batch_size)
-        read = 0
         try:
             for read in range(total):
                 out = next(source)[0]
@@ -218,11 +197,10 @@ class DALILoader:
             for found in pool.map(_decode_error, window):
                 if found is not None:
                     return found
-        message = str(err)
-        for path in window:
-            if path in message:
-                line = next((line for line in message.splitlines() if path in line), "DALI cannot decode it")
-                return undecodable_image(path, re.sub(r"\s+", " ", line.strip()))
+        for line in str(err).splitlines():
+            path = next((path for path in window if path in line), None)
+            if path is not None:
+                return undecodable_image(path, " ".join(line.split()))
         return err
 
 

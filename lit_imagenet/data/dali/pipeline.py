@@ -1,9 +1,6 @@
-"""The DALI pipeline graph (that of DALI's ResNet-50 example), and the external sources of its crops and sizes.
-
-The crop windows, flips and erased boxes come from the samples' seeds (``lit_imagenet.data.crops``, ``augment``)
-through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment policy is drawn
-in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``).
-"""
+"""The DALI pipeline graph (that of DALI's ResNet-50 example). The crop windows, flips and erased boxes come from the
+samples' seeds through an external source, so that a resumed epoch cuts the same crops again; only an auto-augment
+policy is drawn in the pipeline, by ``nvidia.dali.auto_aug`` from the pipeline's seed (``pipeline_seed``)."""
 
 from __future__ import annotations
 
@@ -31,9 +28,8 @@ def _rows(iteration: int, count: int, batch_size: int) -> np.ndarray:
 
 @dataclass(eq=False)
 class CropSource:
-    """A training pipeline's external source: each batch's crop windows and flips, from the samples' ``seeds``, and
-    with ``erase`` (``(p, crop side)``) the boxes to erase (``augment.erase_boxes``) as ``fn.erase`` takes them.
-    ``sizes``: the ``(height, width)`` of samples (``images.ImageSizes.get``)."""
+    """A training pipeline's external source: each batch's crop windows and flips from the samples' ``seeds``, and with
+    ``erase`` (``(p, crop side)``) the boxes to erase; ``sizes`` gives samples' ``(height, width)``."""
 
     indices: np.ndarray
     seeds: np.ndarray
@@ -53,24 +49,21 @@ class CropSource:
             return anchor, shape, mirror
         p, side = self.erase
         top, left, height, width = erase_boxes(self.seeds[rows], side, side, p).T
-        # Erased before crop_mirror_normalize mirrors: a mirrored crop's box is mirrored here, so that the output's
-        # erased pixels are those of erase_boxes, as on the other decoders.
+        # fn.erase runs before crop_mirror_normalize mirrors: a mirrored crop's box is mirrored here in its stead.
         left = np.where((mirror == 1) & (width > 0), side - left - width, left)
         corner, extent = np.stack([top, left], 1), np.stack([height, width], 1)  # fn.erase's (y, x) order
         return anchor, shape, mirror, corner.astype(np.float32), extent.astype(np.float32)
 
 
 def pipeline_seed(seed: int, epoch: int, skipped: int, rank: int) -> int:
-    """The seed a training pipeline draws its auto-augment policy from: the run's ``seed``, the ``epoch``, the samples
-    of the epoch ``skipped`` by a resume and the process's ``rank``."""
+    """The seed of a training pipeline's policy, from the run's ``seed``, ``epoch``, samples ``skipped``, ``rank``."""
     key = ((((seed & 0xFFFFFFFF) * 1_000_003 + epoch) * 1_000_003 + skipped) * 1_000_003 + rank) & 0x7FFFFFFFFFFFFFFF
     return int(uniform_draws([key], 1)[0, 0] * 2**31)
 
 
 def build_pipeline(loader: Any, indices: np.ndarray, seeds: np.ndarray | None, seed: int) -> Any:
-    """A DALI pipeline yielding ``(images, labels)`` batches of samples ``indices`` of ``loader`` (a ``DALILoader``), on
-    ``loader.device`` (``None``: the CPU). With their ``seeds`` (training): their crops and flips (``CropSource``),
-    ``loader.augment``'s policy drawn from ``seed`` and its erasing; else resize and centre crop."""
+    """A DALI pipeline of ``(images, labels)`` batches of samples ``indices`` of ``loader`` (a ``DALILoader``): with
+    their ``seeds``, their crops, flips and ``loader.augment`` (policy drawn from ``seed``); else centre crops."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import rand_augment, trivial_augment
 
