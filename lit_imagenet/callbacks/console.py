@@ -59,7 +59,26 @@ _VALIDATION = (
 )  # fmt: skip
 
 
-class ConsoleLog(pl.Callback):
+class _EpochImages(pl.Callback):
+    """Counts a training epoch's images over all processes from its start, or from a resume part-way through it."""
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync_device(pl_module)
+        self._start, self._images = time.perf_counter(), 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._images += int(batch[0].shape[0]) * trainer.world_size
+
+
+class ConsoleLog(_EpochImages):
     """Prints one line every ``log_every_n_steps`` batches, as NVIDIA apex's ImageNet example did.
 
     ``Epoch 3 [120/5005] step 15135 | 0.124 s/step | 8,260 images/s | loss 2.3141 | top1 0.4844 | top5 0.7266``
@@ -78,18 +97,14 @@ class ConsoleLog(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync_device(pl_module)
-        self._start, self._images, self._batches = time.perf_counter(), 0, 0
-        self._pending = None
-        self._looping = True
-
-    on_train_start = on_train_epoch_start  # a resume part-way through an epoch measures from there
+        super().on_train_epoch_start(trainer, pl_module)
+        self._batches, self._pending, self._looping = 0, None, True
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._images += int(batch[0].shape[0]) * trainer.world_size
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         self._batches += 1
         if writes_log_line(trainer):
             total = trainer.num_training_batches
@@ -155,35 +170,25 @@ class ConsoleLog(pl.Callback):
     on_train_batch_start = on_train_epoch_end = on_train_end = _write
 
 
-class Throughput(pl.Callback):
+class Throughput(_EpochImages):
     """Reports each training epoch's images per second over all processes, and peak GPU memory."""
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync_device(pl_module)
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
-        self._epoch_start = time.perf_counter()
-        self._epoch_images = 0
-
-    on_train_start = on_train_epoch_start  # a resume part-way through an epoch measures from there
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._epoch_images += int(batch[0].shape[0]) * trainer.world_size
+        super().on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sync_device(pl_module)
-        seconds = time.perf_counter() - self._epoch_start
+        seconds = time.perf_counter() - self._start
         memory = ""
         if pl_module.device.type == "cuda":
             memory = f", peak GPU memory {torch.cuda.max_memory_allocated(pl_module.device) / 2**30:.2f} GiB"
         rank_zero_info(
-            f"Epoch {trainer.current_epoch}: {self._epoch_images / max(seconds, 1e-9):,.0f} images/s over all "
-            f"processes ({self._epoch_images:,} images in {seconds:.1f} s){memory}"
+            f"Epoch {trainer.current_epoch}: {self._images / max(seconds, 1e-9):,.0f} images/s over all "
+            f"processes ({self._images:,} images in {seconds:.1f} s){memory}"
         )
 
 
