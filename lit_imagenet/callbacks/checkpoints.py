@@ -130,7 +130,10 @@ class BestCheckpoint(ModelCheckpoint):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_end(trainer, pl_module)  # after the epoch's validation, wherever Lightning saves
+        # After the epoch's validation, wherever Lightning saves; an epoch cut before any (max_steps, max_time) has no
+        # best to rank, only the last.ckpt below, and no warning that the metric is missing.
+        if self.monitor is None or self.monitor in trainer.callback_metrics:
+            super().on_train_epoch_end(trainer, pl_module)
         if not self.save_last or trainer.sanity_checking or trainer.fast_dev_run:
             return
         saved = compat.last_checkpoint_saved(self)
