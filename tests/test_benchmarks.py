@@ -184,3 +184,16 @@ def test_gpu_check_names_the_commit_whose_files_ran(tmp_path: Path) -> None:
     assert record["parts"]["tests"]["commit"] == second  # the most recent commit with the files that ran
     assert record["parts"]["bench"]["commit"] == "old" and "no commit of the last 50" in lines[1]
     assert (record["commit"], record["tree_sha256"]) == (second, ran)
+
+
+def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> None:
+    from benchmarks.fit_synthetic import SyntheticDataModule
+    from lit_imagenet.cli import main
+
+    cli = main(["fit", "--trainer.accelerator", "cpu", "--model.arch", "resnet18", "--data.batch_size", "4",
+                "--data.crop_size", "32", "--data.num_classes", "3", "--data.train_steps", "3", "--data.val_steps", "1",
+                "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
+                "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)],
+               datamodule_class=SyntheticDataModule)  # fmt: skip
+    assert cli.trainer.global_step == 3
+    assert cli.model.hparams.num_classes == 3 and cli.model.hparams.class_names == ["class_0", "class_1", "class_2"]

@@ -189,7 +189,7 @@ def test_nvjpeg_batches_match_the_cpu_decoder(tmp_path: Path) -> None:
 
 
 def test_compiled_fit_saves_plain_parameter_names(tmp_path: Path) -> None:
-    from lit_imagenet.data.synthetic import SyntheticDataModule
+    from benchmarks.fit_synthetic import SyntheticDataModule
 
     dm = SyntheticDataModule(batch_size=8, crop_size=64, num_classes=4, train_steps=3, val_steps=1)
     model = ImageClassifier("resnet18", num_classes=4, compile=True, warmup_epochs=0)
@@ -213,9 +213,9 @@ def test_no_host_device_sync_during_an_epoch(tmp_path: Path) -> None:
 
     from pytorch_lightning.loggers import CSVLogger
 
+    from benchmarks.fit_synthetic import SyntheticDataModule
     from lit_imagenet.callbacks.console import ConsoleLog, LearningRateLog, Throughput
     from lit_imagenet.callbacks.guard import NonFiniteGuard
-    from lit_imagenet.data.synthetic import SyntheticDataModule
 
     every, steps = 5, 12
     syncs: dict[int, int] = {}

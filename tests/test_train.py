@@ -134,19 +134,6 @@ def test_sgd_is_fused_only_where_it_can_be() -> None:
     assert model._fused()
 
 
-def test_fit_on_synthetic_batches_through_the_command_line(tmp_path: Path) -> None:
-    from lit_imagenet.cli import main
-    from lit_imagenet.data.synthetic import SyntheticDataModule
-
-    cli = main(["fit", "--trainer.accelerator", "cpu", "--model.arch", "resnet18", "--data.batch_size", "4",
-                "--data.crop_size", "32", "--data.num_classes", "3", "--data.train_steps", "3", "--data.val_steps", "1",
-                "--trainer.max_epochs", "1", "--trainer.enable_progress_bar", "false",
-                "--trainer.default_root_dir", str(tmp_path), "--trainer.logger.init_args.save_dir", str(tmp_path)],
-               datamodule_class=SyntheticDataModule)  # fmt: skip
-    assert cli.trainer.global_step == 3
-    assert cli.model.hparams.num_classes == 3 and cli.model.hparams.class_names == ["class_0", "class_1", "class_2"]
-
-
 def test_fused_sgd_steps_like_plain_sgd_even_after_a_skipped_first_step() -> None:
     """A first step skipped for inf gradients must not leave fused SGD's momentum buffers uninitialised."""
     torch.manual_seed(0)
