@@ -221,18 +221,30 @@ def run_session(command: list[str], timeout: float = 300, **kwargs: Any) -> subp
     """``command`` to its end, its output captured as text, like ``subprocess.run``; ``kwargs`` go to ``Popen``
     (``cwd``, ``env``).
 
-    The command has a session of its own, and every process in it is killed on a timeout or an interruption of the
-    test. ``subprocess.run``'s own timeout kills the first process only: a rank that it launched would outlive the
-    test, waiting for its peers until the process group's timeout (30 minutes by default).
+    The command has a session of its own, and every process in it is stopped on a timeout or an interruption of the
+    test (pytest-timeout's, say). ``subprocess.run``'s own timeout kills the first process only: a rank that it
+    launched would outlive the test, waiting for its peers until the process group's timeout (30 minutes by default).
+    Stopped, each Python process of the session prints the stack of each of its threads (``PYTHONFAULTHANDLER``), and
+    the end of the session's output goes to this process's stderr, which pytest shows with the failure.
     """
+    env = {**kwargs.pop("env", os.environ), "PYTHONFAULTHANDLER": "1"}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, **kwargs) as proc:  # fmt: skip
+                          start_new_session=True, env=env, **kwargs) as proc:  # fmt: skip
         try:
             out, err = proc.communicate(timeout=timeout)
         except BaseException as error:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+                os.killpg(proc.pid, signal.SIGABRT)  # each Python process prints its stacks, then ends
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # any process that outlived its pipes
+            print(f"{shlex.join(command)} was stopped ({type(error).__name__}); the end of its output:\n"
+                  f"{out[-3000:]}\n{err[-15000:]}", file=sys.stderr)  # fmt: skip
             if isinstance(error, subprocess.TimeoutExpired):
                 raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
             raise
