@@ -127,6 +127,31 @@ def test_compile_caches_go_under_the_run_root_unless_the_user_chose_a_folder(
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == expected
 
 
+@pytest.mark.parametrize(("cores", "devices", "env", "workers"), [(16, 1, None, 4), (16, 8, None, 2), (2, 1, None, 2),
+                                                                    (16, 1, "12", None)])  # fmt: skip
+def test_compile_workers_are_four_a_process_or_a_share_of_the_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cores: int, devices: int, env: str | None, workers: int | None
+) -> None:
+    """Inductor's own default is a worker process per core (up to 32) for each training process; the user's
+    TORCHINDUCTOR_COMPILE_THREADS is left to inductor."""
+    from lit_imagenet.training import module as module_file
+
+    monkeypatch.setattr(module_file, "usable_cores", lambda: cores)
+    if env is None:
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
+    for mode in (True, "cudagraphs"):
+        module = ImageClassifier("resnet18", num_classes=3, compile=mode)
+        module.trainer = _trainer(tmp_path, devices=devices, strategy="ddp" if devices > 1 else "auto")
+        seen: list[dict] = []
+        monkeypatch.setattr(module.model, "compile", lambda seen=seen, **kwargs: seen.append(kwargs))
+        module.setup("fit")
+        (kwargs,) = seen
+        assert kwargs["options"].get("compile_threads") == workers, kwargs
+        assert kwargs["dynamic"] is False and "mode" not in kwargs
+
+
 def test_sgd_is_fused_only_where_it_can_be() -> None:
     model = ImageClassifier("resnet18", num_classes=3)
     assert not model._fused()  # CPU parameters, no trainer
@@ -161,7 +186,7 @@ def test_compiled_network_keeps_static_graphs_after_a_short_batch(monkeypatch) -
 
     graphs: list[bool] = []
 
-    def recording_backend(gm, example_inputs):
+    def recording_backend(gm, example_inputs, **options):  # options: the compile workers
         graphs.append(any(not isinstance(x, torch.Tensor) for x in example_inputs))  # symbolic sizes come as ints
         return gm.forward
 
