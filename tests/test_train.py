@@ -141,14 +141,17 @@ def test_compile_workers_are_four_a_process_or_a_share_of_the_cores(
         monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     else:
         monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", env)
-    for mode in (True, "cudagraphs"):
-        module = ImageClassifier("resnet18", num_classes=3, compile=mode)
+    for mode in ("default", "cudagraphs"):  # as _compile_mode decides it, which on a CPU would be "default"
+        module = ImageClassifier("resnet18", num_classes=3, compile=True)
         module.trainer = _trainer(tmp_path, devices=devices, strategy="ddp" if devices > 1 else "auto")
+        monkeypatch.setattr(module, "_compile_mode", lambda mode=mode: (mode, None))
         seen: list[dict] = []
         monkeypatch.setattr(module.model, "compile", lambda seen=seen, **kwargs: seen.append(kwargs))
         module.setup("fit")
         (kwargs,) = seen
         assert kwargs["options"].get("compile_threads") == workers, kwargs
+        # torch.compile's mode="reduce-overhead" is this option, which can go with the others
+        assert kwargs["options"].get("triton.cudagraphs", False) == (mode == "cudagraphs"), kwargs
         assert kwargs["dynamic"] is False and "mode" not in kwargs
 
 
