@@ -83,7 +83,8 @@ def test_a_run_killed_mid_epoch_and_resumed_has_the_uninterrupted_runs_ema_bit_f
     assert whole_run.returncode == 0, out[-3000:]
     assert 7 <= killed_at < 18 and killed_at % 6
 
-    proc = _start(_ema_args(shapes_root, cut, "--ckpt_path", "last"), tmp_path)
+    # Another --seed_everything: a resumed run keeps its checkpoint's seed, MixUp and CutMix included.
+    proc = _start(_ema_args(shapes_root, cut, "--ckpt_path", "last", "--seed_everything", "8"), tmp_path)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "Resuming from" in out, out[-3000:]
     a, b = (torch.load(final_checkpoint(d), map_location="cpu", weights_only=True) for d in (whole, cut))

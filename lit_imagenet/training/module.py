@@ -271,7 +271,9 @@ class ImageClassifier(pl.LightningModule):
         trainer = attached_trainer(self)
         if trainer is None:
             return mixing.mix_seed(0, 0, batch_idx)
-        seed = getattr(trainer.datamodule, "seed", None)
+        # The training sampler's seed, which a resume restores from the checkpoint, else the data's or the run's.
+        seed = getattr(getattr(trainer.train_dataloader, "sampler", None), "seed", None)
+        seed = getattr(trainer.datamodule, "seed", None) if seed is None else seed
         seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
         return mixing.mix_seed(seed, trainer.global_rank, trainer.current_epoch, batch_idx)
 
