@@ -65,6 +65,9 @@ def test_static_loss_scale_and_keep_batchnorm_map_to_native_plugins(no_apex) -> 
     assert isinstance(choice.plugin, StaticScaleMixedPrecision) and "static loss scale 128" in choice.message
     choice = resolve_amp("O3", keep_batchnorm_fp32=True)
     assert isinstance(choice.plugin, KeepBatchNormHalfPrecision)
+    for opt_level, native in (("O0", "32-true"), ("O3", "16-true")):  # no scaler there: the line says so
+        message = resolve_amp(opt_level, loss_scale=128.0).message
+        assert f"--amp.loss_scale 128.0 is unused: native {native} scales no loss" in message
 
 
 def test_missing_apex_names_the_native_equivalent(no_apex) -> None:

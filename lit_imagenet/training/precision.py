@@ -258,6 +258,8 @@ def resolve_amp(
         reason = "native AMP was asked for"
     native = NATIVE_EQUIVALENT[opt_level]
     note = f"AMP: native {native} for apex {opt_level} ({reason})"
+    if scale is not None and native != "16-mixed":  # said, not dropped silently
+        note += f"; --amp.loss_scale {scale} is unused: native {native} scales no loss"
     if native == "16-mixed" and isinstance(scale, float):
         plugin = StaticScaleMixedPrecision(scale, device_type)
         return AMPChoice(None, plugin, None, f"{note}, static loss scale {scale:g}")
