@@ -170,7 +170,8 @@ def run_bench(out: Path, decoders: list[str], extra: list[str]) -> list[dict[str
     for r in json.loads(path.read_text())["rows"]:
         rate = r.get("images_per_sec")
         row = {"row": f"{r['setting']} {r['arch']} x{r['devices']}", "ok": rate is not None, "images_per_sec": rate}
-        row.update({key: r.get(key) for key in ("ratio", "peak_memory_gib", "compile_seconds")})
+        keys = ("steady_images_per_sec", "ratio", "peak_memory_gib", "compile_seconds")
+        row.update({key: r.get(key) for key in keys})
         if r.get("error"):
             row["detail"] = r["error"]
         rows.append(row)

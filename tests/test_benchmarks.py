@@ -25,13 +25,14 @@ def _throughput(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_throughput_smoke(tmp_path: Path) -> None:
     out = tmp_path / "throughput"
-    proc = _throughput(out, "--decoders", "pil")
+    proc = _throughput(out, "--decoders", "pil", "--train-per-class", "16")  # 12 steps: a pace from batch 11
     report = json.loads((out / "throughput.json").read_text())
     rows = report["rows"]
     assert [r["setting"] for r in rows] == ["model-alone", "fit-synthetic", "fit-pil"]
     for row in rows:
         assert row["images_per_sec"] > 0 and row["ratio"] > 0 and row["devices"] == 1, row
         assert row["peak_memory_gib"] is None  # CPU: no GPU memory to report
+    assert all(row["steady_images_per_sec"] > 0 for row in rows[1:]), rows
     assert rows[0]["ratio"] == 1.0
     assert all(report["environment"][key] for key in ("cpus", "torch", "torchvision", "pytorch_lightning"))
     assert "| fit-pil | resnet18 | 1 |" in proc.stdout
@@ -47,7 +48,7 @@ def test_a_row_past_its_timeout_is_stopped_and_reported(tmp_path: Path) -> None:
     for row in rows[1:]:
         assert row["timed_out"] is True and row["images_per_sec"] is None and row["ratio"] is None
         assert row["error"] == "stopped after 0.5 s"
-    assert "| fit-pil | resnet18 | 1 | - | - | - |" in proc.stdout
+    assert "| fit-pil | resnet18 | 1 | - | - | - | - |" in proc.stdout
     assert "--model.compile false" in (out / "logs" / "pil-resnet18-1dev.log").read_text()
 
 
@@ -102,8 +103,8 @@ def test_gpu_check_records_each_part_and_keeps_the_other(tmp_path: Path, monkeyp
             return run(cmd, **kwargs)  # git
         row = {"arch": "resnet50", "devices": 1}
         failed = {"images_per_sec": None, "ratio": None, "error": "exit status 1"}
-        rows = [{**row, "setting": "model-alone", "images_per_sec": 6000.0, "ratio": 1.0},
-                {**row, "setting": "fit-pil", **failed}]  # fmt: skip
+        alone = {"images_per_sec": 6000.0, "steady_images_per_sec": None, "ratio": 1.0}
+        rows = [{**row, "setting": "model-alone", **alone}, {**row, "setting": "fit-pil", **failed}]
         folder = Path(cmd[cmd.index("--out") + 1])
         folder.mkdir(parents=True)
         (folder / "throughput.json").write_text(json.dumps({"rows": rows}))
@@ -116,7 +117,8 @@ def test_gpu_check_records_each_part_and_keeps_the_other(tmp_path: Path, monkeyp
     parts = json.loads(record.read_text())["parts"]
     assert (parts["tests"]["passed"], parts["bench"]["passed"], parts["bench"]["failed"]) == (1, 1, 1)
     assert parts["bench"]["rows"][0] == {"row": "model-alone resnet50 x1", "ok": True, "images_per_sec": 6000.0,
-                                         "ratio": 1.0, "peak_memory_gib": None, "compile_seconds": None}  # fmt: skip
+                                         "steady_images_per_sec": None, "ratio": 1.0, "peak_memory_gib": None,
+                                         "compile_seconds": None}  # fmt: skip
     assert parts["bench"]["rows"][1]["detail"] == "exit status 1"  # why, in the record
     assert parts["bench"]["tree_sha256"] == gpu_check.tree_digest()
 
